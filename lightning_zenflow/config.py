@@ -1,0 +1,168 @@
+"""The ZenFlow knobs as one validated dataclass.
+
+This module is the single source of truth for every option: the strategy's signature, the CLI help, the
+YAML comments and the README table are written from the attribute docstrings below. It imports no
+Lightning, so the framework-free engine can use it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+SYNC_BOUNDARIES = ("validation", "epoch_end", "checkpoint")
+"""Points at which the strategy can apply all host work in flight (see ``ZenFlowConfig.sync_on``)."""
+
+
+@dataclass(frozen=True)
+class ZenFlowConfig:
+    """Every ZenFlow knob, validated on construction. Names follow DeepSpeed's ``zenflow`` config block."""
+
+    topk_ratio: float = 0.1
+    """Fraction of the columns of each weight matrix updated on the device every step (k = ceil(ratio * columns)).
+    0 puts every matrix on the host (ZeRO-Offload-like); 1 keeps everything on the device."""
+
+    update_interval: int | Literal["auto"] = 4
+    """Steps per host window S: the host accumulates the other columns' gradients for S steps, then runs one
+    AdamW step on their mean. ``"auto"`` measures the host update and the device step and picks S so that the
+    host update fits inside a window."""
+
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    """When the important columns are re-chosen: every ``select_interval`` optimizer steps (``"step"``) or
+    epochs (``"epoch"``). ``"auto"`` means ``"epoch"`` with ``select_interval=1``."""
+
+    select_interval: int | Literal["auto"] = "auto"
+    """Refresh period in the unit of ``select_strategy``; must be ``"auto"`` when the strategy is ``"auto"``.
+    Refreshes land on the first window end at or after the period."""
+
+    full_warm_up_rounds: int = 0
+    """First optimizer steps run as plain synchronous AdamW over every element (no selection)."""
+
+    overlap_step: bool = True
+    """Run the host update asynchronously, overlapped with the next window of device steps (its result lands
+    one window later). ``False`` applies it at the window end it was computed for (the device waits)."""
+
+    importance: Literal["l2", "l1"] = "l2"
+    """Column score used for selection: squared L2 norm of the column's gradient (the paper) or its L1 sum."""
+
+    sync_on: tuple[str, ...] = ("validation", "checkpoint")
+    """Boundaries at which host work in flight is applied so the model holds every finished update:
+    any of ``"validation"``, ``"epoch_end"``, ``"checkpoint"``. The end of training always closes the open
+    window and applies everything."""
+
+    host_threads: int | None = None
+    """Threads of the host worker process. ``None`` gives it the cores that ``pt_reserved_cores_perc`` leaves."""
+
+    pt_reserved_cores_perc: float = 0.5
+    """Share of the available cores kept for the training process; the host worker gets the rest (at least
+    one). Both sides are pinned to disjoint cores when ``bind_cores`` is on."""
+
+    bind_cores: bool = True
+    """Pin the training process and the host worker to disjoint cores and set their thread counts (restored at
+    teardown). Off: the worker still uses ``host_threads`` threads but nobody is pinned."""
+
+    worker_timeout_s: float = 30.0
+    """A host worker that dies, or stops its heartbeat for this long, fails the run with a clear error."""
+
+    def __post_init__(self) -> None:
+        # frozen dataclass: normalise through object.__setattr__
+        if isinstance(self.sync_on, str):
+            object.__setattr__(self, "sync_on", (self.sync_on,))
+        object.__setattr__(self, "sync_on", tuple(self.sync_on))
+        self._validate()
+
+    def _validate(self) -> None:
+        if isinstance(self.topk_ratio, bool) or not isinstance(self.topk_ratio, (int, float)):
+            raise TypeError(f"topk_ratio must be a number in [0, 1], got {self.topk_ratio!r}.")
+        if not (0.0 <= float(self.topk_ratio) <= 1.0) or math.isnan(self.topk_ratio):
+            raise ValueError(
+                f"topk_ratio={self.topk_ratio} is outside [0, 1]. Use e.g. topk_ratio=0.1 (10 % of the columns of "
+                "each matrix on the device), 0 for everything on the host, 1 for everything on the device."
+            )
+        _check_int_or_auto("update_interval", self.update_interval, minimum=1)
+        if self.select_strategy not in ("auto", "step", "epoch"):
+            raise ValueError(
+                f"select_strategy={self.select_strategy!r} is not one of 'auto', 'step', 'epoch'. Use 'step' with "
+                "select_interval=<steps>, 'epoch' with select_interval=<epochs>, or 'auto' (once per epoch)."
+            )
+        _check_int_or_auto("select_interval", self.select_interval, minimum=1)
+        if self.select_strategy == "auto" and self.select_interval != "auto":
+            raise ValueError(
+                f"select_strategy='auto' takes select_interval='auto', got select_interval={self.select_interval!r}. "
+                f"Set select_strategy='step' (or 'epoch') to use select_interval={self.select_interval!r}."
+            )
+        if self.select_strategy in ("step", "epoch") and self.select_interval == "auto":
+            raise ValueError(
+                f"select_strategy={self.select_strategy!r} needs an integer select_interval (how many "
+                f"{self.select_strategy}s between refreshes), e.g. select_interval=1."
+            )
+        if (
+            self.select_strategy == "step"
+            and isinstance(self.update_interval, int)
+            and self.select_interval < self.update_interval
+        ):
+            raise ValueError(
+                f"select_interval={self.select_interval} is shorter than update_interval={self.update_interval}: "
+                "refreshes happen at window ends, so set select_interval >= update_interval."
+            )
+        if isinstance(self.full_warm_up_rounds, bool) or not isinstance(self.full_warm_up_rounds, int):
+            raise TypeError(f"full_warm_up_rounds must be an int >= 0, got {self.full_warm_up_rounds!r}.")
+        if self.full_warm_up_rounds < 0:
+            raise ValueError(f"full_warm_up_rounds={self.full_warm_up_rounds} must be >= 0 (0 turns warm-up off).")
+        if not isinstance(self.overlap_step, bool):
+            raise TypeError(f"overlap_step must be True or False, got {self.overlap_step!r}.")
+        if self.importance not in ("l2", "l1"):
+            raise ValueError(f"importance={self.importance!r} is not one of 'l2' (squared L2 norm) or 'l1'.")
+        unknown = [b for b in self.sync_on if b not in SYNC_BOUNDARIES]
+        if unknown:
+            raise ValueError(f"sync_on has unknown boundaries {unknown}; choose from {list(SYNC_BOUNDARIES)}.")
+        if self.host_threads is not None and (
+            isinstance(self.host_threads, bool) or not isinstance(self.host_threads, int) or self.host_threads < 1
+        ):
+            raise ValueError(f"host_threads={self.host_threads!r} must be a positive int or None (automatic).")
+        if not (0.0 <= float(self.pt_reserved_cores_perc) <= 1.0):
+            raise ValueError(
+                f"pt_reserved_cores_perc={self.pt_reserved_cores_perc} is outside [0, 1]; 0.5 gives the training "
+                "process half of the cores and the host worker the other half."
+            )
+        if not isinstance(self.bind_cores, bool):
+            raise TypeError(f"bind_cores must be True or False, got {self.bind_cores!r}.")
+        if not (float(self.worker_timeout_s) > 0):
+            raise ValueError(f"worker_timeout_s={self.worker_timeout_s} must be > 0 seconds.")
+
+    def replace(self, **changes: object) -> ZenFlowConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def core_split(self, available: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """Split the available cores into (training process, host worker), disjoint where possible.
+
+        With one core both sides share it. The host worker always gets at least one core.
+        """
+        cores = sorted(available if available is not None else os.sched_getaffinity(0))
+        if len(cores) <= 1:
+            return cores, cores
+        n_train = int(round(self.pt_reserved_cores_perc * len(cores)))
+        n_train = min(max(n_train, 1), len(cores) - 1)
+        return cores[:n_train], cores[n_train:]
+
+
+def _check_int_or_auto(name: str, value: object, minimum: int) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum} or 'auto', got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum} (or 'auto').")
+
+
+def num_selected_columns(columns: int, ratio: float) -> int:
+    """k = ceil(ratio * columns), with 0 -> 0 and 1 -> all; float noise below 1e-9 is ignored (0.1*30 -> 3)."""
+    if ratio <= 0.0:
+        return 0
+    if ratio >= 1.0:
+        return columns
+    return min(columns, max(1, math.ceil(ratio * columns - 1e-9)))

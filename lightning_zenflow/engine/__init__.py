@@ -1,0 +1,14 @@
+"""The framework-free ZenFlow core: torch only, no Lightning import."""
+
+from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.engine import StepStats, ZenFlowEngine, check_optimizer, choose_update_interval
+from lightning_zenflow.engine.host import HostWorkerError
+
+__all__ = [
+    "HostWorkerError",
+    "HyperParams",
+    "StepStats",
+    "ZenFlowEngine",
+    "check_optimizer",
+    "choose_update_interval",
+]

@@ -1,0 +1,234 @@
+"""Selective AdamW on the device: the selected columns of every matrix and all device-only parameters.
+
+Whatever the model dtype, the device keeps an fp32 master copy of what it updates, fp32 moments and Python
+integer step counts (a bf16 model must not lose small updates to rounding, and a bf16 step counter stops
+at 256). On CUDA the update runs on a side stream ordered with events, so the training thread never
+waits for it on the host; on the CPU it runs inline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zenflow.engine.layout import GroupLayout, MatrixSlot
+
+
+@dataclass(frozen=True)
+class HyperParams:
+    """The hyperparameters of one param group, read from the torch optimizer at one step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    """True for AdamW (decoupled weight decay), False for Adam (L2 penalty added to the gradient)."""
+
+    @classmethod
+    def from_group(cls, group: Mapping[str, object], decoupled_default: bool) -> HyperParams:
+        beta1, beta2 = group["betas"]  # type: ignore[misc]
+        return cls(
+            lr=float(group["lr"]),  # type: ignore[arg-type]
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),  # type: ignore[arg-type]
+            weight_decay=float(group.get("weight_decay", 0.0)),  # type: ignore[arg-type]
+            decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
+        )
+
+
+def adam_update_(
+    masters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: Sequence[int],
+    hp: HyperParams,
+) -> None:
+    """One Adam/AdamW step, in place, on fp32 tensors; ``steps`` are the counts *after* this update.
+
+    The arithmetic is torch's multi-tensor AdamW (non-capturable), so it matches ``torch.optim.AdamW``.
+    """
+    if not masters:
+        return
+    if hp.weight_decay != 0.0:
+        if hp.decoupled:
+            torch._foreach_mul_(masters, 1.0 - hp.lr * hp.weight_decay)
+        else:
+            grads = torch._foreach_add(grads, masters, alpha=hp.weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - hp.beta1)
+    torch._foreach_mul_(exp_avg_sqs, hp.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - hp.beta2)
+    step_sizes = [-hp.lr / (1.0 - hp.beta1**step) for step in steps]
+    bias_correction2_sqrt = [math.sqrt(1.0 - hp.beta2**step) for step in steps]
+    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denominators, bias_correction2_sqrt)
+    torch._foreach_add_(denominators, hp.eps)
+    torch._foreach_addcdiv_(masters, exp_avgs, denominators, step_sizes)
+
+
+@dataclass
+class DeviceOnlyState:
+    param: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int = 0
+
+
+@dataclass
+class SelectedState:
+    """The device side of one matrix: its selected columns and their fp32 master and moments."""
+
+    slot: MatrixSlot
+    selected: torch.Tensor
+    """Selected column indices (ascending, int64, on the device)."""
+    unselected: torch.Tensor
+    unselected_host: torch.Tensor
+    """The same indices on the CPU (the host add of the accumulation uses them)."""
+    master: torch.Tensor
+    """``[rows, k]`` fp32."""
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int = 0
+
+    @property
+    def k(self) -> int:
+        return int(self.selected.numel())
+
+
+class DeviceUpdater:
+    """Owns the device-side optimizer state and applies the per-step device update."""
+
+    def __init__(self, layout: Sequence[GroupLayout], device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        # created here, not in the strategy's __init__: strategies get pickled and must not touch CUDA
+        self.side_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.update_done_event = torch.cuda.Event() if self.is_cuda else None
+        self.device_only: list[list[DeviceOnlyState]] = []
+        for group in layout:
+            states = []
+            for entry in group.device_only:
+                param = entry.param
+                # fp32 parameters are their own master; other dtypes get an fp32 copy
+                master = param.data if param.dtype == torch.float32 else param.detach().float()
+                states.append(
+                    DeviceOnlyState(
+                        param=param,
+                        master=master,
+                        exp_avg=torch.zeros_like(master),
+                        exp_avg_sq=torch.zeros_like(master),
+                    )
+                )
+            self.device_only.append(states)
+        self.selected: list[list[SelectedState]] = [
+            [self._empty_selection(slot) for slot in group.matrices] for group in layout
+        ]
+
+    def _empty_selection(self, slot: MatrixSlot) -> SelectedState:
+        empty = torch.empty(slot.rows, 0, dtype=torch.float32, device=self.device)
+        return SelectedState(
+            slot=slot,
+            selected=torch.empty(0, dtype=torch.long, device=self.device),
+            unselected=torch.arange(slot.cols, device=self.device),
+            unselected_host=torch.arange(slot.cols),
+            master=empty,
+            exp_avg=empty.clone(),
+            exp_avg_sq=empty.clone(),
+        )
+
+    @contextlib.contextmanager
+    def on_side_stream(self) -> Iterator[None]:
+        """Run the enclosed work on the side stream (CUDA) or inline (CPU)."""
+        if self.side_stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.side_stream):
+            yield
+
+    def begin_step(self) -> None:
+        """Order the side stream after the gradients: a GPU-side wait for backward and clipping, no host sync."""
+        if self.side_stream is not None:
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def end_step(self) -> None:
+        if self.side_stream is not None:
+            self.update_done_event.record(self.side_stream)
+
+    def wait_for_update(self) -> None:
+        """Make the compute stream wait (GPU-side) until the last device update has written the weights."""
+        if self.side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.update_done_event)
+
+    def update(self, hparams: Sequence[HyperParams]) -> None:
+        """One device step for every group: device-only parameters and the selected columns of matrices.
+
+        Reads ``param.grad``; must run inside ``on_side_stream``.
+        """
+        for group_index, hp in enumerate(hparams):
+            masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for state in self.device_only[group_index]:
+                if state.param.grad is None:
+                    continue
+                grad = state.param.grad
+                if self.side_stream is not None:
+                    # the gradient was made on the compute stream and may be freed there by zero_grad
+                    grad.record_stream(self.side_stream)
+                state.step += 1
+                masters.append(state.master)
+                grads.append(grad.float())
+                exp_avgs.append(state.exp_avg)
+                exp_avg_sqs.append(state.exp_avg_sq)
+                steps.append(state.step)
+            selected_states = []
+            for state in self.selected[group_index]:
+                if state.k == 0 or state.slot.param.grad is None:
+                    continue
+                grad = state.slot.param.grad
+                if self.side_stream is not None:
+                    grad.record_stream(self.side_stream)
+                state.step += 1
+                masters.append(state.master)
+                grads.append(grad.view(state.slot.rows, state.slot.cols).index_select(1, state.selected).float())
+                exp_avgs.append(state.exp_avg)
+                exp_avg_sqs.append(state.exp_avg_sq)
+                steps.append(state.step)
+                selected_states.append(state)
+            adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp)
+            for state in self.device_only[group_index]:
+                if state.master is not state.param.data:
+                    state.param.data.copy_(state.master)
+            for state in selected_states:
+                self.write_selected(state)
+
+    def write_selected(self, state: SelectedState) -> None:
+        """Copy the fp32 master of the selected columns into the model weights (cast to the model dtype)."""
+        if state.k == 0:
+            return
+        param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
+        param2d.index_copy_(1, state.selected, state.master.to(param2d.dtype))
+
+    def write_all_selected(self) -> None:
+        for group_states in self.selected:
+            for state in group_states:
+                self.write_selected(state)
+
+    def bytes_held(self) -> int:
+        """Device bytes of optimizer state the engine holds (masters, moments, indices)."""
+        total = 0
+        for group_states in self.device_only:
+            for state in group_states:
+                extra_master = state.master is not state.param.data
+                total += state.exp_avg.nbytes * (3 if extra_master else 2)
+        for group_states in self.selected:
+            for state in group_states:
+                total += state.master.nbytes * 3 + state.selected.nbytes + state.unselected.nbytes
+        return total

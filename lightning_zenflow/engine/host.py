@@ -1,0 +1,276 @@
+"""The host worker: one spawned process per engine that runs AdamW over the flat shared host buffers.
+
+Protocol (one duplex pipe, one command at a time, at most one update in flight):
+
+    main -> worker   ("update", seq, slot, [group jobs])                    run one AdamW step
+                     ("stop",)                                              exit cleanly
+    worker -> main   ("ready", pid)                                         after start-up
+                     ("done", seq, compute_seconds)                         after an update
+                     ("error", seq, traceback_text)                         the update raised
+
+The worker uses torch's fused CPU AdamW kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``), which is
+as fast as DeepSpeed's hand-written AVX CPU Adam. A heartbeat thread stamps a shared clock every 0.2 s, so
+the main process notices a worker that died *or* stopped answering (frozen, stopped, swapped out) within
+``worker_timeout_s``, never hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zenflow.engine.device import HyperParams
+
+HEARTBEAT_PERIOD_S = 0.2
+_POLL_S = 0.05
+
+
+class HostWorkerError(RuntimeError):
+    """The host worker failed: it raised, died, or stopped answering."""
+
+
+@dataclass(frozen=True)
+class MatrixExtent:
+    """Where one matrix lives in its group's flat buffers, and its model dtype (for the staged upload)."""
+
+    offset: int
+    numel: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """The host work for one param group in one update."""
+
+    hparams: HyperParams
+    active: tuple[int, ...]
+    """Indices (within the group) of the matrices that have columns on the host and got gradients."""
+    grads_in_window: tuple[int, ...]
+    """For each active matrix, how many gradients its accumulator holds (the divisor of the mean)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the worker process needs at start-up (picklable; tensors travel as shared memory)."""
+
+    blocks: tuple[torch.Tensor, ...]
+    steps: tuple[torch.Tensor, ...]
+    extents: tuple[tuple[MatrixExtent, ...], ...]
+    heartbeat: torch.Tensor
+    threads: int
+    cores: tuple[int, ...] | None
+    delay_s: float = 0.0
+    """Test hook: sleep this long before each update (a deliberately slow worker)."""
+
+
+def host_adam_update(
+    block: torch.Tensor,
+    steps: torch.Tensor,
+    extents: Sequence[MatrixExtent],
+    slot: int,
+    job: GroupJob,
+) -> None:
+    """One AdamW step on the active matrices of a group with the mean of accumulator ``slot``.
+
+    Then writes each active matrix's new weights, cast to its model dtype, into the bytes of that accumulator
+    (the staging area of the upload). Runs in the worker; also importable for tests.
+    """
+    if not job.active:
+        return
+    master, exp_avg, exp_avg_sq, grad_acc = block[0], block[1], block[2], block[3 + slot]
+    hp = job.hparams
+    fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
+    # one fused call per distinct window count: grad_scale divides the accumulated sum into the window's mean
+    for divisor in sorted(set(job.grads_in_window)):
+        params, grads, exp_avgs, exp_avg_sqs, state_steps = [], [], [], [], []
+        for index, count in zip(job.active, job.grads_in_window):
+            if count != divisor:
+                continue
+            extent = extents[index]
+            window = slice(extent.offset, extent.offset + extent.numel)
+            params.append(master[window])
+            grads.append(grad_acc[window])
+            exp_avgs.append(exp_avg[window])
+            exp_avg_sqs.append(exp_avg_sq[window])
+            state_steps.append(steps[index : index + 1].view(()))
+        torch._foreach_add_(state_steps, 1.0)
+        fused(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            state_steps,
+            lr=hp.lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            weight_decay=hp.weight_decay,
+            eps=hp.eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=torch.tensor(float(divisor)),
+            found_inf=None,
+        )
+    for index in job.active:
+        extent = extents[index]
+        master_view = master[extent.offset : extent.offset + extent.numel]
+        region = grad_acc[extent.offset : extent.offset + extent.numel]
+        itemsize = torch.empty((), dtype=extent.dtype).element_size()
+        staged = region.view(torch.uint8)[: extent.numel * itemsize].view(extent.dtype)
+        staged.copy_(master_view)
+
+
+def _heartbeat(heartbeat: torch.Tensor, stop: threading.Event) -> None:
+    while not stop.is_set():
+        heartbeat[0] = time.monotonic()
+        stop.wait(HEARTBEAT_PERIOD_S)
+
+
+def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
+    """Entry point of the spawned worker process."""
+    if spec.cores:
+        os.sched_setaffinity(0, spec.cores)
+    torch.set_num_threads(spec.threads)
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(spec.heartbeat, stop), daemon=True)
+    beat.start()
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            # blocks until the main process sends the next command (or closes the pipe)
+            try:
+                command = conn.recv()
+            except EOFError:
+                return
+            if command[0] == "stop":
+                return
+            _, seq, slot, jobs = command
+            try:
+                if spec.delay_s:
+                    time.sleep(spec.delay_s)
+                started = time.perf_counter()
+                for group_index, job in enumerate(jobs):
+                    host_adam_update(
+                        spec.blocks[group_index],
+                        spec.steps[group_index],
+                        spec.extents[group_index],
+                        slot,
+                        job,
+                    )
+                conn.send(("done", seq, time.perf_counter() - started))
+            except Exception:
+                conn.send(("error", seq, traceback.format_exc()))
+    finally:
+        stop.set()
+        conn.close()
+
+
+class HostWorker:
+    """The main-process handle of the worker: start, submit, wait, close. Not thread-safe by design:
+    one thread talks to it."""
+
+    def __init__(self, spec: WorkerSpec, timeout_s: float, start_timeout_s: float = 120.0) -> None:
+        self._timeout_s = timeout_s
+        self._seq = 0
+        self._in_flight: int | None = None
+        self.last_compute_s = 0.0
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._heartbeat = spec.heartbeat
+        self._heartbeat[0] = time.monotonic()
+        self._process = ctx.Process(target=worker_main, args=(child_conn, spec), name="zenflow-host", daemon=True)
+        self._process.start()
+        child_conn.close()
+        # start-up imports torch in the child (seconds): wait for its "ready", bounded
+        message = self._receive(start_timeout_s)
+        if message[0] != "ready":
+            self.close()
+            raise HostWorkerError(f"host worker sent {message[0]!r} instead of 'ready' at start-up.")
+        self.pid: int = message[1]
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    @property
+    def process(self) -> torch.multiprocessing.Process:
+        return self._process
+
+    def submit(self, slot: int, jobs: Sequence[GroupJob]) -> None:
+        if self._in_flight is not None:
+            raise HostWorkerError("a host update is already in flight; wait for it before submitting another.")
+        self._seq += 1
+        self._check_alive()
+        self._conn.send(("update", self._seq, slot, list(jobs)))
+        self._in_flight = self._seq
+
+    def wait(self) -> float:
+        """Block until the update in flight finishes; returns its compute time in seconds (0 if none)."""
+        if self._in_flight is None:
+            return 0.0
+        message = self._receive(None)
+        seq = self._in_flight
+        self._in_flight = None
+        if message[0] == "error":
+            raise HostWorkerError(f"the host worker raised during update {message[1]}:\n{message[2]}")
+        if message[0] != "done" or message[1] != seq:
+            raise HostWorkerError(f"host worker protocol error: expected ('done', {seq}), got {message[:2]!r}.")
+        self.last_compute_s = float(message[2])
+        return self.last_compute_s
+
+    def _check_alive(self) -> None:
+        if not self._process.is_alive():
+            code = self._process.exitcode
+            raise HostWorkerError(
+                f"the host worker process (pid {self._process.pid}) died with exit code {code}"
+                + (f" (signal {-code})" if code is not None and code < 0 else "")
+                + ". Its host optimizer state is lost; restart from the last checkpoint."
+            )
+
+    def _receive(self, budget_s: float | None) -> tuple:
+        deadline = None if budget_s is None else time.monotonic() + budget_s
+        # a pipe wait in short slices, checking between slices that the worker is alive and beating
+        while not self._conn.poll(_POLL_S):
+            self._check_alive()
+            silent_s = time.monotonic() - float(self._heartbeat[0])
+            if budget_s is None and silent_s > self._timeout_s:
+                raise HostWorkerError(
+                    f"the host worker (pid {self._process.pid}) has not answered for {silent_s:.1f} s "
+                    f"(worker_timeout_s={self._timeout_s}); it is stopped or frozen."
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise HostWorkerError(f"the host worker did not start within {budget_s:.0f} s.")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as error:
+            self._check_alive()
+            raise HostWorkerError(f"lost the pipe to the host worker: {error}") from error
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the worker: ask, wait, then terminate and kill. Idempotent; safe after a failure."""
+        process = getattr(self, "_process", None)
+        if process is None:
+            return
+        if process.is_alive():
+            with contextlib.suppress(OSError, ValueError):
+                self._conn.send(("stop",))
+            # process join: give it time to finish an update and exit on its own
+            process.join(timeout_s)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout_s)
+        self._conn.close()
+        process.close()
+        self._process = None
+        self._in_flight = None

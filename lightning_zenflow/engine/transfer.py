@@ -1,0 +1,171 @@
+"""Moving data between the device and the host buffers: gradients down (d2h), weights up (h2d).
+
+Per step, the gradient columns that stay on the host are gathered on the device (on the side stream) into
+one contiguous payload per matrix, copied down and added into the window's fp32 accumulator. Only the
+unselected columns cross the link, in the model dtype: (1 - rho) x model bytes per step.
+
+Per window, the host worker leaves the new weights, cast to the model dtype, in the bytes of the
+accumulator it consumed; they are copied up into the parameters in one piece and the selected columns are
+then restored from the device's fp32 master: 1/S x model bytes per step.
+
+On CUDA the down-copy and the host add run on a helper thread (so the training thread never blocks on
+them), through a small pinned staging ring of fixed size, whatever the model size. On the CPU everything
+runs inline and the device and host share memory.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
+from lightning_zenflow.engine.layout import GroupHostBuffers, staging_view
+
+STAGING_SLOT_BYTES = 32 * 1024 * 1024
+"""Bytes per slot of the pinned d2h staging ring (two slots) on CUDA."""
+
+
+class InlineExecutor:
+    """``submit`` runs the job at once in the calling thread and returns a finished future."""
+
+    def submit(self, fn: Callable[..., object], *args: object) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:
+            future.set_exception(error)
+        return future
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class GradPayload:
+    """The unselected gradient columns of one matrix, gathered on the device for one step."""
+
+    state: SelectedState
+    columns_device: torch.Tensor
+    """``[rows, n_unselected]`` in the model dtype."""
+
+
+class Transfers:
+    """The d2h accumulation and the h2d upload, with byte counters at the copy sites."""
+
+    def __init__(
+        self, device_updater: DeviceUpdater, host_buffers: Sequence[GroupHostBuffers], device: torch.device
+    ) -> None:
+        self.device_updater = device_updater
+        self.host_buffers = host_buffers
+        self.is_cuda = device.type == "cuda"
+        # one helper thread in order (FIFO) on CUDA; inline on the CPU
+        self.executor = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-d2h")
+            if self.is_cuda
+            else InlineExecutor()
+        )
+        self.d2h_bytes = 0
+        self.h2d_bytes = 0
+        self._staging_pinned: list[torch.Tensor] = []
+        self._staging_events: list[torch.cuda.Event] = []
+        self._upload_event = torch.cuda.Event() if self.is_cuda else None
+        if self.is_cuda:
+            for _ in range(2):
+                self._staging_pinned.append(torch.empty(STAGING_SLOT_BYTES, dtype=torch.uint8, pin_memory=True))
+                self._staging_events.append(torch.cuda.Event())
+
+    def gather(self, groups: Sequence[Sequence[SelectedState]]) -> list[GradPayload]:
+        """Gather this step's unselected gradient columns on the device. Call on the side stream."""
+        payloads = []
+        for group_states in groups:
+            for state in group_states:
+                grad = state.slot.param.grad
+                if grad is None or state.unselected.numel() == 0:
+                    continue
+                grad2d = grad.view(state.slot.rows, state.slot.cols)
+                if state.unselected.numel() < state.slot.cols:
+                    columns = grad2d.index_select(1, state.unselected)
+                elif self.is_cuda:
+                    # a copy the helper thread owns: zero_grad may clear the gradient before the d2h runs
+                    columns = grad2d.detach().clone()
+                else:
+                    columns = grad2d.detach()  # consumed inline, before anyone can touch the gradient
+                payloads.append(GradPayload(state=state, columns_device=columns))
+                self.d2h_bytes += columns.nbytes
+        return payloads
+
+    def accumulate(self, payloads: Sequence[GradPayload], slot: int, first_in_window: bool) -> None:
+        """Add the payloads into accumulator ``slot`` (zeroed first at a window's first step). Runs in order."""
+        if first_in_window:
+            if self._upload_event is not None:
+                # this accumulator may still be the source of the last upload: wait until it has been read
+                self._upload_event.synchronize()
+            for host in self.host_buffers:
+                host.grad_acc(slot).zero_()
+        if self.is_cuda:
+            self._accumulate_cuda(payloads, slot)
+            return
+        for payload in payloads:
+            state = payload.state
+            acc2d = state.slot.view2d(self.host_buffers[state.slot.group_index].grad_acc(slot))
+            if state.unselected.numel() == state.slot.cols:
+                acc2d.add_(payload.columns_device)
+            else:
+                acc2d.index_add_(1, state.unselected, payload.columns_device.float())
+
+    def _accumulate_cuda(self, payloads: Sequence[GradPayload], slot: int) -> None:
+        side_stream = self.device_updater.side_stream
+        pending: tuple | None = None
+        ring = 0
+        for payload in payloads:
+            state = payload.state
+            columns = payload.columns_device
+            unselected_host = state.unselected_host
+            row_bytes = columns.shape[1] * columns.element_size()
+            rows_per_chunk = max(1, STAGING_SLOT_BYTES // max(row_bytes, 1))
+            acc2d = state.slot.view2d(self.host_buffers[state.slot.group_index].grad_acc(slot))
+            for row_start in range(0, state.slot.rows, rows_per_chunk):
+                row_stop = min(state.slot.rows, row_start + rows_per_chunk)
+                chunk = columns[row_start:row_stop]
+                staging = self._staging_pinned[ring][: chunk.numel() * chunk.element_size()]
+                staging = staging.view(chunk.dtype).view(chunk.shape)
+                with torch.cuda.stream(side_stream):
+                    staging.copy_(chunk, non_blocking=True)
+                    self._staging_events[ring].record(side_stream)
+                if pending is not None:
+                    self._add_staged(*pending)
+                pending = (ring, staging, acc2d[row_start:row_stop], unselected_host)
+                ring ^= 1
+        if pending is not None:
+            self._add_staged(*pending)
+
+    def _add_staged(self, ring: int, staging: torch.Tensor, acc_rows: torch.Tensor, unselected: torch.Tensor) -> None:
+        # helper-thread wait for this chunk's d2h copy to land in pinned memory; the training thread runs on
+        self._staging_events[ring].synchronize()
+        acc_rows.index_add_(1, unselected, staging.float())
+
+    def upload(self, slot: int, active: Sequence[Sequence[int]]) -> None:
+        """Copy the staged weights of the active matrices up into the parameters, then restore the
+        selected columns from the device master. Runs on the side stream."""
+        with self.device_updater.on_side_stream():
+            for group_index, group_states in enumerate(self.device_updater.selected):
+                host = self.host_buffers[group_index]
+                for index in active[group_index]:
+                    state = group_states[index]
+                    param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
+                    staged = staging_view(host.grad_acc(slot), state.slot, param2d.dtype)
+                    param2d.copy_(staged, non_blocking=self.is_cuda)
+                    self.h2d_bytes += staged.nbytes
+                    self.device_updater.write_selected(state)
+            if self._upload_event is not None:
+                self._upload_event.record(self.device_updater.side_stream)
+        self.device_updater.end_step()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def bytes_held(self) -> int:
+        return sum(t.nbytes for t in self._staging_pinned)
