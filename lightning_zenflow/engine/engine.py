@@ -66,6 +66,7 @@ class ZenFlowEngine:
         param_names: optional ``{param: name}`` (e.g. from ``model.named_parameters()``) for checkpoints.
         steps_per_epoch: optimizer steps per epoch, needed by ``select_strategy="epoch"`` / ``"auto"``.
         host_delay_s: test hook, the host worker sleeps this long before each update.
+        host_fail_at: test hook, the host worker raises at this update (1-based).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class ZenFlowEngine:
         param_names: Mapping[torch.Tensor, str] | None = None,
         steps_per_epoch: int | None = None,
         host_delay_s: float = 0.0,
+        host_fail_at: int | None = None,
     ) -> None:
         check_optimizer(optimizer)
         self.optimizer = optimizer
@@ -94,6 +96,7 @@ class ZenFlowEngine:
         self.device = devices.pop()
         self.refresh_every = self._refresh_period(steps_per_epoch)
         self._host_delay_s = host_delay_s
+        self._host_fail_at = host_fail_at
         self._started = False
         self._closed = False
         # progress of the update rule (all of it goes into state_dict)
@@ -187,6 +190,7 @@ class ZenFlowEngine:
             threads=threads,
             cores=worker_cores,
             delay_s=self._host_delay_s,
+            fail_at_update=self._host_fail_at,
         )
         self._worker = HostWorker(spec, timeout_s=self.config.worker_timeout_s)
 

@@ -69,6 +69,8 @@ class WorkerSpec:
     cores: tuple[int, ...] | None
     delay_s: float = 0.0
     """Test hook: sleep this long before each update (a deliberately slow worker)."""
+    fail_at_update: int | None = None
+    """Test hook: raise inside the worker at this update (1-based), to exercise error propagation."""
 
 
 def host_adam_update(
@@ -156,6 +158,8 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -
             try:
                 if spec.delay_s:
                     time.sleep(spec.delay_s)
+                if spec.fail_at_update is not None and seq == spec.fail_at_update:
+                    raise RuntimeError(f"injected failure at host update {seq} (test hook fail_at_update)")
                 started = time.perf_counter()
                 for group_index, job in enumerate(jobs):
                     host_adam_update(
