@@ -1,0 +1,27 @@
+"""lightning_zenflow: ZenFlow offloaded fine-tuning as a PyTorch Lightning strategy.
+
+``import lightning_zenflow`` registers the strategy name ``"zenflow"`` (Lightning has no entry-point
+discovery for strategies, so the import is what makes ``Trainer(strategy="zenflow")`` work).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.engine import HostWorkerError, StepStats, ZenFlowEngine
+from lightning_zenflow.precision import ZenFlowPrecision
+from lightning_zenflow.strategy import ZenFlowStrategy
+from lightning_zenflow.telemetry import ZenFlowTelemetry
+
+__version__ = "0.1.0"
+
+ZenFlowStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "HostWorkerError",
+    "StepStats",
+    "ZenFlowConfig",
+    "ZenFlowEngine",
+    "ZenFlowPrecision",
+    "ZenFlowStrategy",
+    "ZenFlowTelemetry",
+]

@@ -67,6 +67,9 @@ class ZenFlowConfig:
     worker_timeout_s: float = 30.0
     """A host worker that dies, or stops its heartbeat for this long, fails the run with a clear error."""
 
+    log_telemetry: bool = True
+    """Log ``zenflow/*`` metrics through the Trainer's loggers and show the stall share in the progress bar."""
+
     def __post_init__(self) -> None:
         # frozen dataclass: normalise through object.__setattr__
         if isinstance(self.sync_on, str):
@@ -130,6 +133,8 @@ class ZenFlowConfig:
             )
         if not isinstance(self.bind_cores, bool):
             raise TypeError(f"bind_cores must be True or False, got {self.bind_cores!r}.")
+        if not isinstance(self.log_telemetry, bool):
+            raise TypeError(f"log_telemetry must be True or False, got {self.log_telemetry!r}.")
         if not (float(self.worker_timeout_s) > 0):
             raise ValueError(f"worker_timeout_s={self.worker_timeout_s} must be > 0 seconds.")
 

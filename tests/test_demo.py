@@ -22,6 +22,7 @@ from lightning_zenflow.demo import (
 from lightning_zenflow.demo.data import FILE_SEPARATOR
 
 TINY_MODEL = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
+NO_TRANSFORMERS = "the Hugging Face wrapper needs `pip install 'lightning-zenflow[transformers]'`"
 
 
 def _numbered_lines(count: int) -> bytes:
@@ -105,7 +106,7 @@ def test_loading_errors_name_the_problem(tmp_path: pathlib.Path) -> None:
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02")
     with pytest.raises(ValueError, match="no readable UTF-8 text files"):
         load_corpus_bytes(str(tmp_path), max_bytes=100)
-    with pytest.raises(ValueError, match="not a UTF-8 text file"):
+    with pytest.raises(ValueError, match="not a readable UTF-8 text file"):
         load_corpus_bytes(str(tmp_path / "blob.bin"), max_bytes=100)
     with pytest.raises(ValueError, match="max_bytes"):
         load_corpus_bytes(None, max_bytes=0)
@@ -312,7 +313,7 @@ def test_hf_module_explains_missing_transformers(monkeypatch: pytest.MonkeyPatch
 
 
 def test_hf_module_trains_untied_random_gpt2(corpus_file: pathlib.Path) -> None:
-    pytest.importorskip("transformers", reason="the Hugging Face wrapper needs `pip install transformers`")
+    pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     from lightning_zenflow.demo import HFCausalLMModule
 
     module = HFCausalLMModule(config_overrides={"n_layer": 1}, learning_rate=1e-3, seed_model=0)
@@ -337,3 +338,21 @@ def test_hf_module_trains_untied_random_gpt2(corpus_file: pathlib.Path) -> None:
     assert recorder.losses[-1] < recorder.losses[0]
     with pytest.raises(ValueError, match="config_overrides"):
         HFCausalLMModule(model_name_or_path="gpt2", config_overrides={"n_layer": 1})
+
+
+def test_hf_module_unties_a_pretrained_checkpoint(tmp_path: pathlib.Path) -> None:
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    from lightning_zenflow.demo import HFCausalLMModule
+
+    # A local folder stands in for a hub model: same from_pretrained path, no network.
+    tied_config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    tied_model = transformers.AutoModelForCausalLM.from_config(tied_config)
+    assert tied_model.get_output_embeddings().weight is tied_model.get_input_embeddings().weight
+    tied_model.save_pretrained(tmp_path / "tiny-gpt2")
+
+    model = HFCausalLMModule(model_name_or_path=str(tmp_path / "tiny-gpt2")).model
+    output_weight, input_weight = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert output_weight is not input_weight
+    assert output_weight.data_ptr() != input_weight.data_ptr()
+    assert torch.equal(output_weight, input_weight)  # same values: untying changes no prediction
+    assert model.config.tie_word_embeddings is False

@@ -49,8 +49,11 @@ def default_corpus_files() -> list[pathlib.Path]:
 
 
 def _read_text_bytes(path: pathlib.Path) -> bytes | None:
-    """The bytes of ``path`` if it is a UTF-8 text file; ``None`` if it is binary (holds NUL) or not UTF-8."""
-    raw = path.read_bytes()
+    """The bytes of ``path`` if it is UTF-8 text; ``None`` if it is unreadable, binary (holds NUL) or not UTF-8."""
+    try:
+        raw = path.read_bytes()
+    except OSError:  # a permission-denied file or a dangling link in a user's folder is skipped, not fatal
+        return None
     if b"\x00" in raw:
         return None
     try:
@@ -94,8 +97,8 @@ def load_corpus_bytes(data_path: str | None, max_bytes: int) -> torch.Tensor:
         if root.is_file():
             if _read_text_bytes(root) is None:
                 raise ValueError(
-                    f"data_path={data_path!r} is not a UTF-8 text file (it is binary or in another encoding). "
-                    "Pass data_path=... a UTF-8 text file or a folder of them."
+                    f"data_path={data_path!r} is not a readable UTF-8 text file (it is binary, in another encoding, or "
+                    "unreadable). Pass data_path=... a UTF-8 text file or a folder of them."
                 )
             files = [root]
         else:
@@ -118,8 +121,8 @@ def load_corpus_bytes(data_path: str | None, max_bytes: int) -> torch.Tensor:
         num_bytes += len(text_bytes)
     if not chunks:
         raise ValueError(
-            f"data_path={data_path!r} holds no readable UTF-8 text files ({num_skipped} files skipped as binary, "
-            "empty or not UTF-8). Pass data_path=... a text file or a folder that contains text files."
+            f"data_path={data_path!r} holds no readable UTF-8 text files ({num_skipped} files skipped as unreadable, "
+            "binary, empty or not UTF-8). Pass data_path=... a text file or a folder that contains text files."
         )
     # bytearray, not bytes: torch.frombuffer wants a writable buffer and the tensor then owns a private copy.
     corpus = bytearray(b"".join(chunks)[:max_bytes])

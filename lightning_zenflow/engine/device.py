@@ -8,6 +8,7 @@ waits for it on the host; on the CPU it runs inline.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -113,6 +114,7 @@ class DeviceUpdater:
         # created here, not in the strategy's __init__: strategies get pickled and must not touch CUDA
         self.side_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.update_done_event = torch.cuda.Event() if self.is_cuda else None
+        self._timing_events: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
         self.device_only: list[list[DeviceOnlyState]] = []
         for group in layout:
             states = []
@@ -173,6 +175,9 @@ class DeviceUpdater:
 
         Reads ``param.grad``; must run inside ``on_side_stream``.
         """
+        if self.side_stream is not None:
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record(self.side_stream)
         for group_index, hp in enumerate(hparams):
             masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for state in self.device_only[group_index]:
@@ -208,6 +213,20 @@ class DeviceUpdater:
                     state.param.data.copy_(state.master)
             for state in selected_states:
                 self.write_selected(state)
+        if self.side_stream is not None:
+            timing[1].record(self.side_stream)
+            self._timing_events.append(timing)
+
+    def finished_update_seconds(self) -> float | None:
+        """Duration of the newest device update that has finished (CUDA events, queried without waiting)."""
+        latest = None
+        while self._timing_events and self._timing_events[0][1].query():
+            start, end = self._timing_events.popleft()
+            latest = start.elapsed_time(end) / 1000.0
+        del_count = len(self._timing_events) - 16
+        for _ in range(max(0, del_count)):
+            self._timing_events.popleft()  # bound the queue if nobody asks for a while
+        return latest
 
     def write_selected(self, state: SelectedState) -> None:
         """Copy the fp32 master of the selected columns into the model weights (cast to the model dtype)."""

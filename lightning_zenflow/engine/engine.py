@@ -117,6 +117,7 @@ class ZenFlowEngine:
         self._step_intervals: list[float] = []
         self._last_step_end: float | None = None
         self._stall_at_last_end = 0.0
+        self._stall_at_last_stats = 0.0
         self._last_host_s: float | None = None
         self._diagnostics: SelectionDiagnostics | None = None
         self.last_stats: StepStats | None = None
@@ -237,7 +238,6 @@ class ZenFlowEngine:
     def step(self) -> StepStats:
         """One optimizer step with the current ``.grad`` of every parameter (already unscaled and clipped)."""
         self._require_started()
-        stall_before = self._stall_s
         d2h_before, h2d_before = self.transfers.d2h_bytes, self.transfers.h2d_bytes
         self._diagnostics = None
         hparams = self.read_hparams()
@@ -246,25 +246,31 @@ class ZenFlowEngine:
         warm_up = self.t <= self.config.full_warm_up_rounds
         refreshed = False
         if not warm_up and self._last_select_t is None:
-            self._select_and_migrate()
+            with torch.profiler.record_function("zenflow.select"):
+                self._select_and_migrate()
             refreshed = True
         self.device_updater.begin_step()
         device_started = time.perf_counter()
-        with self.device_updater.on_side_stream():
+        with self.device_updater.on_side_stream(), torch.profiler.record_function("zenflow.device_update"):
             self.device_updater.update(hparams)
             if warm_up:
                 # a warm-up step updates every column: it counts as an update on both sides
                 for state in self._matrix_states():
-                    state.step += 1
+                    if state.slot.param.grad is not None:
+                        state.step += 1
             payloads = self.transfers.gather(self.device_updater.selected)
         self.device_updater.end_step()
-        device_s = time.perf_counter() - device_started if self.device.type != "cuda" else None
+        if self.device.type == "cuda":
+            device_s = self.device_updater.finished_update_seconds()  # from events; never waits
+        else:
+            device_s = time.perf_counter() - device_started
         first_in_window = self._steps_in_window == 0
         for group_index, group in enumerate(self.layout):
             for index, slot in enumerate(group.matrices):
                 if slot.param.grad is not None:
                     self._window_grads[group_index][index] += 1
-        self._submit_transfer(self.transfers.accumulate, payloads, self._slot, first_in_window)
+        with torch.profiler.record_function("zenflow.accumulate"):
+            self._submit_transfer(self.transfers.accumulate, payloads, self._slot, first_in_window)
         del payloads
         self._steps_in_window += 1
         window_end = warm_up or self._steps_in_window >= self._interval
@@ -274,9 +280,10 @@ class ZenFlowEngine:
                 self._refresh()
                 refreshed = True
         self._record_step_interval()
+        stall_at_stats = self._stall_s
         self.last_stats = StepStats(
             step=self.t,
-            stall_s=self._stall_s - stall_before,
+            stall_s=self._stall_s - self._stall_at_last_stats,
             device_update_s=device_s,
             host_update_s=self._last_host_s,
             update_interval=self._interval,
@@ -289,6 +296,7 @@ class ZenFlowEngine:
             selection_overlap=self._diagnostics.overlap if self._diagnostics else None,
             selection_captured=self._diagnostics.captured_share if self._diagnostics else None,
         )
+        self._stall_at_last_stats = stall_at_stats
         return self.last_stats
 
     def read_hparams(self) -> list[HyperParams]:
@@ -374,9 +382,11 @@ class ZenFlowEngine:
             self._transfer_futures.pop(0).result()
 
     def _timed_wait(self, wait: Callable[[], None]) -> None:
+        """Run a blocking wait, counting its time as stall; it shows in the profiler as ``zenflow.wait:<name>``."""
         started = time.perf_counter()
         try:
-            wait()
+            with torch.profiler.record_function(f"zenflow.wait:{wait.__name__.lstrip('_')}"):
+                wait()
         finally:
             self._stall_s += time.perf_counter() - started
 
@@ -403,6 +413,10 @@ class ZenFlowEngine:
             raise ValueError(f"steps_per_epoch={steps_per_epoch} must be >= 1.")
         return epochs * steps_per_epoch
 
+    def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
+        """Tell an epoch-based selection how long an epoch is (optimizer steps); the strategy does this at fit."""
+        self.refresh_every = self._refresh_period(steps_per_epoch)
+
     def _refresh_due(self) -> bool:
         return self.refresh_every is not None and self.t - self._last_select_t >= self.refresh_every
 
@@ -411,7 +425,8 @@ class ZenFlowEngine:
 
     def _refresh(self) -> None:
         self._timed_wait(self._finish_pending_and_drain)
-        self._select_and_migrate()
+        with torch.profiler.record_function("zenflow.select"):
+            self._select_and_migrate()
 
     def _finish_pending_and_drain(self) -> None:
         if self._pending_slot is not None:

@@ -1,0 +1,161 @@
+"""ZenFlowPrecision: the precision plugin that owns the optimizer step.
+
+``optimizer_step`` runs the closure (forward + backward), unscales (16-mixed), fires Lightning's hooks and
+gradient clipping, hands the gradients to the engine and returns without waiting for host work. Everything
+else (autocast, dtype conversion, loss scaling) is delegated to the Lightning precision plugin it wraps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_zenflow.engine import ZenFlowEngine
+
+SUPPORTED_PRECISION = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
+_PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+
+
+def _unsupported_precision(name: str) -> MisconfigurationException:
+    return MisconfigurationException(
+        f"ZenFlow does not support precision={name!r}. Use one of '32-true', 'bf16-mixed', '16-mixed' "
+        "(loss scaling, CUDA) or 'bf16-true' (bf16 weights on the device, fp32 master weights and moments)."
+    )
+
+
+class ZenFlowPrecision(Precision):
+    """Precision plugin for ZenFlow. Built automatically when ``Trainer(strategy="zenflow", precision=...)``.
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
+        device: ``"cuda"`` or ``"cpu"``, for autocast and the loss scaler of the mixed modes.
+    """
+
+    def __init__(self, precision: _PrecisionName = "32-true", device: str = "cuda") -> None:
+        super().__init__()
+        name = str(precision)
+        if name == "32":
+            name = "32-true"
+        if name not in SUPPORTED_PRECISION:
+            raise _unsupported_precision(name)
+        self.precision = name  # type: ignore[assignment]
+        if name in ("bf16-mixed", "16-mixed"):
+            self._inner: Precision = MixedPrecision(name, device=device)  # type: ignore[arg-type]
+        elif name == "bf16-true":
+            self._inner = HalfPrecision("bf16-true")
+        else:
+            self._inner = Precision()
+        self.engine: ZenFlowEngine | None = None
+        """Set by the strategy while fitting."""
+
+    @classmethod
+    def from_plugin(cls, plugin: Precision) -> ZenFlowPrecision:
+        """Wrap the plugin the accelerator connector built from ``Trainer(precision=...)``."""
+        if isinstance(plugin, ZenFlowPrecision):
+            return plugin
+        name = str(getattr(plugin, "precision", "32-true"))
+        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
+            raise _unsupported_precision(f"{name} ({type(plugin).__name__})")
+        wrapped = cls.__new__(cls)
+        Precision.__init__(wrapped)
+        wrapped.precision = "32-true" if name == "32" else name  # type: ignore[assignment]
+        wrapped._inner = plugin
+        wrapped.engine = None
+        return wrapped
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return getattr(self._inner, "scaler", None)
+
+    # -------------------------------------------------------------------------------- the optimizer step
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if self.engine is None:
+            raise RuntimeError("ZenFlowPrecision.optimizer_step was called without a running ZenFlow engine.")
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            raise MisconfigurationException(
+                "training_step returned None (skipped backward); ZenFlow needs a loss at every optimizer step. "
+                "Return a loss, or zero it (e.g. `return loss * 0`) to make the step a no-op."
+            )
+        scaler = self.scaler
+        if scaler is not None:
+            # unscale before the hooks and clipping see the gradients, as Lightning's AMP plugin does
+            scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if scaler is not None:
+            # one host read of the overflow flag per step (a device sync under 16-mixed only)
+            skip = _found_inf(scaler, optimizer)
+            scaler.update()
+            if skip:
+                return closure_result
+        self.engine.step()
+        return closure_result
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if self.engine is not None:
+            # the last step's gradient payloads must be copied down before backward allocates new gradients
+            self.engine.before_backward()
+        return self._inner.pre_backward(tensor, module)
+
+    # ----------------------------------------------------------------------------------- delegation
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self._inner.convert_module(module)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._inner.convert_input(data)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return self._inner.convert_output(data)
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        return self._inner.tensor_init_context()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self._inner.module_init_context()
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with self._inner.forward_context():
+            yield
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    @override
+    def teardown(self) -> None:
+        self.engine = None
+        self._inner.teardown()
+
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``scaler.unscale_(optimizer)`` found inf/NaN gradients (then the step is skipped on both sides)."""
+    per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    return any(bool(flag.item()) for flag in per_device.values())

@@ -1,0 +1,347 @@
+"""ZenFlowStrategy: the Lightning glue. Lifecycle, sync boundaries, checkpoints; the engine does the rest.
+
+One device (CPU or CUDA). The user's torch optimizer stays the object Lightning sees (schedulers and
+``LearningRateMonitor`` work unchanged); its ``step()`` is never called: ``ZenFlowPrecision.optimizer_step``
+hands the gradients to the engine instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.engine import SUPPORTED_OPTIMIZERS
+from lightning_zenflow.precision import ZenFlowPrecision
+
+CHECKPOINT_KEY = "zenflow"
+"""Top-level checkpoint key of the engine's own state (the moments live in ``optimizer_states``)."""
+
+
+class ZenFlowStrategy(SingleDeviceStrategy):
+    """Train with ZenFlow: the important columns of every weight matrix on the device, the rest on a CPU worker.
+
+    Every knob is documented in :class:`lightning_zenflow.config.ZenFlowConfig` (and the README table); the
+    device comes from ``Trainer(accelerator=..., devices=...)`` unless ``device`` is given.
+
+    Args:
+        topk_ratio: fraction of columns of each matrix updated on the device every step.
+        update_interval: steps per host window S, or ``"auto"``.
+        select_strategy: ``"auto"``, ``"step"`` or ``"epoch"``: when the important columns are re-chosen.
+        select_interval: refresh period in the unit of ``select_strategy``, or ``"auto"``.
+        full_warm_up_rounds: first steps run as plain synchronous AdamW.
+        overlap_step: run the host update in the background (its result lands one window later).
+        importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
+        sync_on: boundaries at which host work in flight is applied: ``"validation"``, ``"epoch_end"``,
+            ``"checkpoint"``.
+        host_threads: threads of the host worker (``None``: its share of the cores).
+        pt_reserved_cores_perc: share of the cores kept for the training process.
+        bind_cores: pin the training process and the host worker to disjoint cores.
+        worker_timeout_s: a host worker silent this long fails the run.
+        log_telemetry: log ``zenflow/*`` metrics and show the stall share in the progress bar.
+        device: the device to train on; default: the one the Trainer's accelerator flags choose.
+        accelerator: passed to Lightning.
+        checkpoint_io: passed to Lightning.
+        precision_plugin: passed to Lightning; any plugin is converted to :class:`ZenFlowPrecision`.
+    """
+
+    strategy_name = "zenflow"
+
+    def __init__(
+        self,
+        topk_ratio: float = 0.1,
+        update_interval: int | Literal["auto"] = 4,
+        select_strategy: Literal["auto", "step", "epoch"] = "auto",
+        select_interval: int | Literal["auto"] = "auto",
+        full_warm_up_rounds: int = 0,
+        overlap_step: bool = True,
+        importance: Literal["l2", "l1"] = "l2",
+        sync_on: tuple[str, ...] | list[str] = ("validation", "checkpoint"),
+        host_threads: int | None = None,
+        pt_reserved_cores_perc: float = 0.5,
+        bind_cores: bool = True,
+        worker_timeout_s: float = 30.0,
+        log_telemetry: bool = True,
+        device: str | torch.device | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        # validated here, before any Trainer exists: a bad knob fails at construction with the fix named
+        self.zenflow_config = ZenFlowConfig(
+            topk_ratio=topk_ratio,
+            update_interval=update_interval,
+            select_strategy=select_strategy,
+            select_interval=select_interval,
+            full_warm_up_rounds=full_warm_up_rounds,
+            overlap_step=overlap_step,
+            importance=importance,
+            sync_on=tuple(sync_on),
+            host_threads=host_threads,
+            pt_reserved_cores_perc=pt_reserved_cores_perc,
+            bind_cores=bind_cores,
+            worker_timeout_s=worker_timeout_s,
+            log_telemetry=log_telemetry,
+        )
+        super().__init__(
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._explicit_device = device is not None
+        # filled by Lightning's accelerator connector from Trainer(accelerator=..., devices=...)
+        self.parallel_devices: list[torch.device] | None = None
+        self.engine: ZenFlowEngine | None = None
+        self._final_state: tuple[dict, dict] | None = None
+        self._own_callbacks: list[Callback] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="ZenFlow offloaded AdamW (one device)")
+
+    # ---------------------------------------------------------------------------------------------- devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._explicit_device and self.parallel_devices:
+            return self.parallel_devices[0]
+        return self._root_device
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> ZenFlowPrecision:
+        plugin = self._precision_plugin
+        if plugin is None:
+            plugin = self._precision_plugin = ZenFlowPrecision("32-true", device=self.root_device.type)
+        return plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning's connector hands any strategy chosen by name a generic plugin: wrap it
+        self._precision_plugin = None if plugin is None else ZenFlowPrecision.from_plugin(plugin)
+
+    @override
+    def setup_environment(self) -> None:
+        if self.parallel_devices is not None and len(self.parallel_devices) > 1:
+            raise MisconfigurationException(
+                f"ZenFlowStrategy runs on one device, but devices={len(self.parallel_devices)} were requested "
+                f"({[str(d) for d in self.parallel_devices]}). Use Trainer(devices=1); multi-device ZenFlow is not "
+                "implemented yet."
+            )
+        num_nodes = getattr(self, "_num_nodes", 1)
+        if num_nodes != 1:
+            raise MisconfigurationException(f"ZenFlowStrategy runs on one node; got num_nodes={num_nodes}.")
+        if self.root_device.type not in ("cpu", "cuda"):
+            raise MisconfigurationException(
+                f"ZenFlowStrategy supports the 'cuda' and 'cpu' accelerators, got {self.root_device.type!r}."
+            )
+        super().setup_environment()
+
+    @property
+    def num_nodes(self) -> int:
+        return getattr(self, "_num_nodes", 1)
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._num_nodes = value
+
+    # ---------------------------------------------------------------------------------------------- lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_module(trainer.lightning_module)
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._check_optimizers(trainer)
+        self._final_state = None
+        module = self.lightning_module
+        names = {param: name for name, param in module.named_parameters()}
+        self.engine = ZenFlowEngine(self.optimizers[0], self.zenflow_config, param_names=names).start()
+        self.precision_plugin.engine = self.engine
+        self._install_callbacks(trainer)
+
+    def _check_module(self, module: pl.LightningModule) -> None:
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                "ZenFlowStrategy owns the optimizer step and needs automatic optimization; this LightningModule sets "
+                "automatic_optimization=False. Remove that (let Lightning call backward and step), or use another "
+                "strategy for manual optimization."
+            )
+
+    def _check_optimizers(self, trainer: pl.Trainer) -> None:
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"ZenFlowStrategy supports exactly one optimizer, configure_optimizers returned "
+                f"{len(self.optimizers)}. Return a single torch.optim.AdamW (param groups are fine)."
+            )
+        optimizer = self.optimizers[0]
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise MisconfigurationException(
+                f"ZenFlowStrategy runs {SUPPORTED_OPTIMIZERS} only; configure_optimizers returned "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}. Return torch.optim.AdamW(...) instead."
+            )
+        for index, group in enumerate(optimizer.param_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag, False):
+                    raise MisconfigurationException(
+                        f"param group {index} sets {flag}=True, which ZenFlow does not support; set {flag}=False."
+                    )
+        if trainer.gradient_clip_algorithm not in (None, "norm", "value"):
+            raise MisconfigurationException(f"unknown gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}.")
+
+    def _install_callbacks(self, trainer: pl.Trainer) -> None:
+        from lightning_zenflow.telemetry import ZenFlowTelemetry
+
+        self._own_callbacks = [_SyncBoundaries(self)]
+        if self.zenflow_config.log_telemetry and not any(isinstance(c, ZenFlowTelemetry) for c in trainer.callbacks):
+            self._own_callbacks.append(ZenFlowTelemetry())
+        # ahead of the user's callbacks: the boundary sync must run before e.g. checkpointing sees the model
+        trainer.callbacks[:0] = self._own_callbacks
+
+    def _remove_callbacks(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            trainer.callbacks[:] = [c for c in trainer.callbacks if all(c is not own for own in self._own_callbacks)]
+        self._own_callbacks = []
+
+    @override
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        if self.engine is not None:
+            steps = trainer.num_training_batches
+            if isinstance(steps, int) and steps > 0:
+                self.engine.set_steps_per_epoch(math.ceil(steps / max(1, trainer.accumulate_grad_batches)))
+        super().on_train_start()
+
+    @override
+    def on_train_end(self) -> None:
+        # the end of training closes the open window and applies everything: the weights hold every gradient
+        if self.engine is not None:
+            self.engine.flush()
+        super().on_train_end()
+
+    def sync(self) -> None:
+        """Apply the host update in flight (if fitting); the model then holds every finished update."""
+        if self.engine is not None:
+            self.engine.sync()
+
+    @override
+    def on_validation_start(self) -> None:
+        if "validation" in self.zenflow_config.sync_on:
+            self.sync()
+        super().on_validation_start()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            # every forward passes here, also the accumulating micro-batches that bypass optimizer_step
+            self.engine.wait_for_update()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            self.engine.wait_for_update()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # stop the worker at once (no flush): teardown follows and must not wait on a broken run
+        self._close_engine(cache_state=False)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._close_engine(cache_state=True)
+        self._remove_callbacks()
+        super().teardown()
+
+    def _close_engine(self, cache_state: bool) -> None:
+        engine = self.engine
+        if engine is None:
+            return
+        self.engine = None
+        self.precision_plugin.engine = None
+        try:
+            if cache_state and not engine._closed:
+                # trainer.save_checkpoint() after fit must still find the optimizer state
+                self._final_state = (engine.torch_state_dict(), engine.state_dict(include_moments=False))
+        finally:
+            engine.close()
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        trainer = self.lightning_module.trainer
+        if "checkpoint" in self.zenflow_config.sync_on and trainer.state.fn == TrainerFn.FITTING:
+            self.sync()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.engine is not None:
+            return self.engine.torch_state_dict()
+        if self._final_state is not None:
+            return self._final_state[0]
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if "optimizer_states" in checkpoint:
+            if self.engine is not None:
+                checkpoint[CHECKPOINT_KEY] = self.engine.state_dict(include_moments=False)
+            elif self._final_state is not None:
+                checkpoint[CHECKPOINT_KEY] = self._final_state[1]
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.engine is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        optimizer_states = checkpoint["optimizer_states"]
+        if len(optimizer_states) != 1:
+            raise MisconfigurationException(
+                f"the checkpoint holds {len(optimizer_states)} optimizer states; ZenFlow resumes from exactly one."
+            )
+        torch_state = optimizer_states[0]
+        optimizer = self.optimizers[0]
+        if len(torch_state["param_groups"]) != len(optimizer.param_groups):
+            raise MisconfigurationException(
+                f"the checkpoint has {len(torch_state['param_groups'])} param groups, configure_optimizers built "
+                f"{len(optimizer.param_groups)}; resume with the same optimizer setup."
+            )
+        # hyperparameters only: loading the moments into the torch optimizer would duplicate them on the device
+        for group, saved in zip(optimizer.param_groups, torch_state["param_groups"]):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        if CHECKPOINT_KEY in checkpoint:
+            self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
+        else:
+            self.engine.load_torch_state_dict(torch_state)
+
+
+class _SyncBoundaries(Callback):
+    """Applies host work in flight at the end of each training epoch when ``"epoch_end"`` is in ``sync_on``."""
+
+    def __init__(self, strategy: ZenFlowStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "epoch_end" in self.strategy.zenflow_config.sync_on:
+            self.strategy.sync()

@@ -1,0 +1,111 @@
+"""Telemetry: the engine's per-step record, logged through Lightning's loggers and the progress bar.
+
+Metric names (all under ``zenflow/``): ``stall_ms``, ``device_update_ms``, ``host_update_ms``,
+``update_interval``, ``d2h_bytes``, ``h2d_bytes``, ``device_bytes``, ``host_bytes``, and at selection
+refreshes ``selection_overlap`` and ``selection_captured``. The progress bar shows ``stall``: the share of
+wall time since the start of training that the training loop spent waiting inside the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_zenflow.engine import StepStats
+
+
+@dataclass
+class RunSummary:
+    """Totals of a fit, printed at its end."""
+
+    steps: int = 0
+    wall_s: float = 0.0
+    stall_s: float = 0.0
+    final_loss: float | None = None
+
+    @property
+    def stall_share(self) -> float:
+        return self.stall_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class ZenFlowTelemetry(Callback):
+    """Logs ZenFlow's per-step telemetry and closes the run with a short summary.
+
+    Added automatically by ``ZenFlowStrategy(log_telemetry=True)`` (the default); add it yourself to
+    change ``log_every_n_steps`` or ``print_summary``.
+
+    Args:
+        log_every_n_steps: log the metrics every this many optimizer steps (refresh diagnostics always).
+        print_summary: print final loss, time and stall share when fit ends.
+        loss_key: the logged metric shown as the final loss in the summary.
+    """
+
+    def __init__(self, log_every_n_steps: int = 1, print_summary: bool = True, loss_key: str = "train_loss") -> None:
+        if log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1.")
+        self.log_every_n_steps = log_every_n_steps
+        self.print_summary = print_summary
+        self.loss_key = loss_key
+        self.summary = RunSummary()
+        self._started: float | None = None
+        self._last_stats: StepStats | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.summary = RunSummary()
+        self._started = time.perf_counter()
+        self._last_stats = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        stats = engine.last_stats if engine is not None else None
+        if stats is None or stats is self._last_stats:
+            return  # an accumulating micro-batch: no optimizer step happened
+        self._last_stats = stats
+        self.summary.steps += 1
+        self.summary.stall_s += stats.stall_s
+        self.summary.wall_s = time.perf_counter() - (self._started or time.perf_counter())
+        pl_module.log("stall", self.summary.stall_share, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        if stats.selection_overlap is not None or stats.selection_captured is not None:
+            metrics = {}
+            if stats.selection_overlap is not None:
+                metrics["zenflow/selection_overlap"] = stats.selection_overlap
+            if stats.selection_captured is not None:
+                metrics["zenflow/selection_captured"] = stats.selection_captured
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        if stats.step % self.log_every_n_steps:
+            return
+        metrics = {
+            "zenflow/stall_ms": stats.stall_s * 1e3,
+            "zenflow/stall_share": self.summary.stall_share,
+            "zenflow/update_interval": float(stats.update_interval),
+            "zenflow/d2h_bytes": float(stats.d2h_bytes),
+            "zenflow/h2d_bytes": float(stats.h2d_bytes),
+            "zenflow/device_bytes": float(stats.device_bytes),
+            "zenflow/host_bytes": float(stats.host_bytes),
+        }
+        if stats.device_update_s is not None:
+            metrics["zenflow/device_update_ms"] = stats.device_update_s * 1e3
+        if stats.host_update_s is not None:
+            metrics["zenflow/host_update_ms"] = stats.host_update_s * 1e3
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._started is None:
+            return
+        self.summary.wall_s = time.perf_counter() - self._started
+        loss = trainer.callback_metrics.get(self.loss_key)
+        self.summary.final_loss = float(loss) if loss is not None else None
+        if self.print_summary:
+            loss_text = f"{self.summary.final_loss:.4f}" if self.summary.final_loss is not None else "n/a"
+            rank_zero_info(
+                f"ZenFlow run summary: {self.summary.steps} optimizer steps in {self.summary.wall_s:.1f} s, "
+                f"final {self.loss_key} {loss_text}, stall share {100 * self.summary.stall_share:.1f} % "
+                f"({self.summary.stall_s:.2f} s waiting on the engine)"
+            )
