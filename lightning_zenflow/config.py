@@ -171,3 +171,28 @@ def num_selected_columns(columns: int, ratio: float) -> int:
     if ratio >= 1.0:
         return columns
     return min(columns, max(1, math.ceil(ratio * columns - 1e-9)))
+
+
+def knob_table() -> str:
+    """The README's knob table, written from this module's attribute docstrings (the single source).
+
+    ``python -m lightning_zenflow.config`` prints it; a test checks the README carries exactly this text.
+    """
+    import ast
+    import inspect
+
+    source = inspect.getsource(ZenFlowConfig)
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    rows = ["| knob | default | what it does |", "|---|---|---|"]
+    for node, following in zip(body, body[1:]):
+        if not isinstance(node, ast.AnnAssign) or not isinstance(following, ast.Expr):
+            continue
+        name = node.target.id  # type: ignore[union-attr]
+        default = getattr(ZenFlowConfig, name)
+        doc = " ".join(str(following.value.value).split())  # type: ignore[union-attr]
+        rows.append(f"| `{name}` | `{default!r}` | {doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(knob_table())
