@@ -4,17 +4,23 @@
 discovery for strategies, so the import is what makes ``Trainer(strategy="zenflow")`` work).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import os
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import HostWorkerError, StepStats, ZenFlowEngine
-from lightning_zenflow.precision import ZenFlowPrecision
-from lightning_zenflow.strategy import ZenFlowStrategy
-from lightning_zenflow.telemetry import ZenFlowTelemetry
 
 __version__ = "0.1.0"
 
-ZenFlowStrategy.register_strategies(StrategyRegistry)
+# The spawned host worker imports this package only to reach lightning_zenflow.engine.host; it needs no
+# Lightning, whose import costs seconds. engine/host.py sets this variable for the child it starts.
+if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_zenflow.precision import ZenFlowPrecision
+    from lightning_zenflow.strategy import ZenFlowStrategy
+    from lightning_zenflow.telemetry import ZenFlowTelemetry
+
+    ZenFlowStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "HostWorkerError",

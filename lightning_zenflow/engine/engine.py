@@ -165,7 +165,7 @@ class ZenFlowEngine:
             for tensor in (host.block_shared,):
                 if tensor.numel() == 0:
                     continue
-                code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)
+                code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1)  # 1: cudaHostRegisterPortable
                 if int(code) != 0:
                     raise RuntimeError(f"cudaHostRegister failed with code {int(code)} for {tensor.nbytes} bytes.")
                 self._pinned.append(tensor)
@@ -212,10 +212,10 @@ class ZenFlowEngine:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self.device.type == "cuda":
+            # the side stream may still read pinned pages or write weights: wait for it before releasing anything
+            torch.cuda.synchronize(self.device)
         if self._pinned:
-            if self.device.type == "cuda":
-                # the side stream may still read pinned pages: wait for it before unregistering them
-                torch.cuda.synchronize(self.device)
             cudart = torch.cuda.cudart()
             for tensor in self._pinned:
                 cudart.cudaHostUnregister(tensor.data_ptr())
@@ -441,6 +441,7 @@ class ZenFlowEngine:
         A full synchronisation point on CUDA: the copies are blocking.
         """
         started = time.perf_counter()
+        self.synchronize_device()
         states = self._matrix_states()
         previous = [state.selected for state in states] if self._last_select_t is not None else None
         self._return_to_host(states)
@@ -461,9 +462,16 @@ class ZenFlowEngine:
                 group_states[position] = self._take_from_host(old_state, new_indices[flat_index], host)
                 flat_index += 1
         self._diagnostics = diagnose(previous, new_indices, scores)
+        self.synchronize_device()
         self._last_select_t = self.t
         self._selections += 1
         self._stall_s += time.perf_counter() - started
+
+    def synchronize_device(self) -> None:
+        """Wait for all device work of the engine (CUDA); used only at selections and state transfers, which
+        read or replace device tensors that the side stream writes."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _return_to_host(self, states: list[SelectedState]) -> None:
         for state in states:

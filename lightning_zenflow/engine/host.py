@@ -17,8 +17,10 @@ the main process notices a worker that died *or* stopped answering (frozen, stop
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing.connection
 import os
+import signal
 import threading
 import time
 import traceback
@@ -30,6 +32,7 @@ import torch
 from lightning_zenflow.engine.device import HyperParams
 
 HEARTBEAT_PERIOD_S = 0.2
+WORKER_ENV = "LIGHTNING_ZENFLOW_HOST_WORKER"
 _POLL_S = 0.05
 
 
@@ -130,6 +133,15 @@ def host_adam_update(
         staged.copy_(master_view)
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM if the main process dies (a SIGKILLed trainer must not leave this worker behind)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the pipe's EOF still ends the worker once it is idle
+
+
 def _heartbeat(heartbeat: torch.Tensor, stop: threading.Event) -> None:
     while not stop.is_set():
         heartbeat[0] = time.monotonic()
@@ -138,6 +150,9 @@ def _heartbeat(heartbeat: torch.Tensor, stop: threading.Event) -> None:
 
 def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
     """Entry point of the spawned worker process."""
+    # Ctrl-C reaches the whole process group: the main process handles it and stops this worker cleanly
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(spec.threads)
@@ -191,7 +206,16 @@ class HostWorker:
         self._heartbeat = spec.heartbeat
         self._heartbeat[0] = time.monotonic()
         self._process = ctx.Process(target=worker_main, args=(child_conn, spec), name="zenflow-host", daemon=True)
-        self._process.start()
+        # the child inherits the environment at start: tell the package's __init__ to skip importing Lightning
+        previous = os.environ.get(WORKER_ENV)
+        os.environ[WORKER_ENV] = "1"
+        try:
+            self._process.start()
+        finally:
+            if previous is None:
+                os.environ.pop(WORKER_ENV, None)
+            else:
+                os.environ[WORKER_ENV] = previous
         child_conn.close()
         # start-up imports torch in the child (seconds): wait for its "ready", bounded
         message = self._receive(start_timeout_s)

@@ -34,6 +34,7 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
 
     Blocking device -> host copies: a synchronisation point on CUDA, taken only at checkpoints.
     """
+    engine.synchronize_device()
     merged = {}
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
@@ -178,6 +179,7 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                 if state_entry.master is not state_entry.param.data:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
+    engine.synchronize_device()
     engine.t = int(progress["t"])
     engine._steps_in_window = int(progress["steps_in_window"])
     engine._window_grads = [list(map(int, c)) for c in progress["window_grads"]]

@@ -85,6 +85,9 @@ class Transfers:
                 grad = state.slot.param.grad
                 if grad is None or state.unselected.numel() == 0:
                     continue
+                if self.is_cuda:
+                    # made on the compute stream, read here on the side stream: keep it alive for the side stream
+                    grad.record_stream(self.device_updater.side_stream)
                 grad2d = grad.view(state.slot.rows, state.slot.cols)
                 if state.unselected.numel() < state.slot.cols:
                     columns = grad2d.index_select(1, state.unselected)
@@ -132,7 +135,7 @@ class Transfers:
                 chunk = columns[row_start:row_stop]
                 staging = self._staging_pinned[ring][: chunk.numel() * chunk.element_size()]
                 staging = staging.view(chunk.dtype).view(chunk.shape)
-                with torch.cuda.stream(side_stream):
+                with torch.cuda.device(side_stream.device), torch.cuda.stream(side_stream):
                     staging.copy_(chunk, non_blocking=True)
                     self._staging_events[ring].record(side_stream)
                 if pending is not None:
