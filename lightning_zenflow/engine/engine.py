@@ -242,6 +242,8 @@ class ZenFlowEngine:
         self._diagnostics = None
         hparams = self.read_hparams()
         self._last_hparams = hparams
+        # torch's LR schedulers warn unless optimizer.step() ran first; this call is that step
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         self.t += 1
         warm_up = self.t <= self.config.full_warm_up_rounds
         refreshed = False
