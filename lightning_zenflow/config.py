@@ -189,7 +189,7 @@ def knob_table() -> str:
             continue
         name = node.target.id  # type: ignore[union-attr]
         default = getattr(ZenFlowConfig, name)
-        doc = " ".join(str(following.value.value).split())  # type: ignore[union-attr]
+        doc = " ".join(str(following.value.value).split()).replace("``", "`")  # type: ignore[union-attr]
         rows.append(f"| `{name}` | `{default!r}` | {doc} |")
     return "\n".join(rows)
 

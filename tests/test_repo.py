@@ -1,0 +1,79 @@
+"""The repository's promises: README commands, CI script, knob table, strategy signature, shipped configs."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_zenflow import ZenFlowConfig, ZenFlowStrategy
+from lightning_zenflow.config import knob_table
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    test_command = next(b for b in _bash_blocks(README) if "pytest" in b)
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test_command in ci_lines, f"README test command {test_command!r} is not a line of .ci/run"
+
+
+def test_readme_main_job_command_uses_the_main_config() -> None:
+    main_command = next(b for b in _bash_blocks(README) if "lightning-zenflow fit" in b)
+    assert main_command.startswith('python -m pip install "torch==2.13.0" -e . && ')
+    config = main_command.split("--config", 1)[1].split()[0]
+    assert (ROOT / config).is_file()
+
+
+def test_readme_knob_table_is_generated_from_the_config() -> None:
+    table = README.split("<!-- knob-table -->", 1)[1].split("<!-- /knob-table -->", 1)[0].strip()
+    assert table == knob_table(), "README knob table is stale: paste the output of python -m lightning_zenflow.config"
+
+
+def test_every_knob_has_a_documented_row() -> None:
+    table = knob_table()
+    for field in ZenFlowConfig.__dataclass_fields__:
+        assert f"| `{field}` |" in table
+
+
+def test_strategy_signature_mirrors_the_config() -> None:
+    """The strategy's knob arguments and defaults are the config's fields, in order (single source of truth)."""
+    parameters = inspect.signature(ZenFlowStrategy.__init__).parameters
+    knobs = list(ZenFlowConfig.__dataclass_fields__)
+    assert list(parameters)[1 : 1 + len(knobs)] == knobs
+    defaults = ZenFlowConfig()
+    for name in knobs:
+        default = parameters[name].default
+        expected = getattr(defaults, name)
+        assert (tuple(default) if isinstance(default, list) else default) == expected, name
+    documented = ZenFlowStrategy.__doc__ or ""
+    for name in knobs:
+        assert f"{name}:" in documented, f"ZenFlowStrategy docstring misses {name}"
+
+
+def test_readme_links_the_update_rule() -> None:
+    assert "docs/update_rule.md" in README
+    assert (ROOT / "docs" / "update_rule.md").is_file()
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_parses_through_the_cli(
+    config: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_zenflow.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["lightning-zenflow"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "strategy:" in printed
+    assert "class_path: lightning_zenflow.demo" in printed
