@@ -126,6 +126,10 @@ class ZenFlowConfig:
             isinstance(self.host_threads, bool) or not isinstance(self.host_threads, int) or self.host_threads < 1
         ):
             raise ValueError(f"host_threads={self.host_threads!r} must be a positive int or None (automatic).")
+        for name in ("pt_reserved_cores_perc", "worker_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number, got {value!r}.")
         if not (0.0 <= float(self.pt_reserved_cores_perc) <= 1.0):
             raise ValueError(
                 f"pt_reserved_cores_perc={self.pt_reserved_cores_perc} is outside [0, 1]; 0.5 gives the training "
@@ -165,7 +169,7 @@ def _check_int_or_auto(name: str, value: object, minimum: int) -> None:
 
 
 def num_selected_columns(columns: int, ratio: float) -> int:
-    """k = ceil(ratio * columns), with 0 -> 0 and 1 -> all; float noise below 1e-9 is ignored (0.1*30 -> 3)."""
+    """k = ceil(ratio * columns), with 0 -> 0 and 1 -> all; float noise below 1e-9 is ignored (0.07*100 -> 7)."""
     if ratio <= 0.0:
         return 0
     if ratio >= 1.0:

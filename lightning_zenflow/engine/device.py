@@ -81,6 +81,8 @@ class DeviceOnlyState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
+    separate_master: bool = True
+    """False when the parameter is fp32 and is its own master (no copy, no write-back)."""
 
 
 @dataclass
@@ -121,13 +123,15 @@ class DeviceUpdater:
             for entry in group.device_only:
                 param = entry.param
                 # fp32 parameters are their own master; other dtypes get an fp32 copy
-                master = param.data if param.dtype == torch.float32 else param.detach().float()
+                separate_master = param.dtype != torch.float32
+                master = param.detach().float() if separate_master else param.data
                 states.append(
                     DeviceOnlyState(
                         param=param,
                         master=master,
                         exp_avg=torch.zeros_like(master),
                         exp_avg_sq=torch.zeros_like(master),
+                        separate_master=separate_master,
                     )
                 )
             self.device_only.append(states)
@@ -209,7 +213,7 @@ class DeviceUpdater:
                 selected_states.append(state)
             adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp)
             for state in self.device_only[group_index]:
-                if state.master is not state.param.data:
+                if state.separate_master:
                     state.param.data.copy_(state.master)
             for state in selected_states:
                 self.write_selected(state)
@@ -245,8 +249,7 @@ class DeviceUpdater:
         total = 0
         for group_states in self.device_only:
             for state in group_states:
-                extra_master = state.master is not state.param.data
-                total += state.exp_avg.nbytes * (3 if extra_master else 2)
+                total += state.exp_avg.nbytes * (3 if state.separate_master else 2)
         for group_states in self.selected:
             for state in group_states:
                 total += state.master.nbytes * 3 + state.selected.nbytes + state.unselected.nbytes

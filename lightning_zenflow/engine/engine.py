@@ -127,10 +127,10 @@ class ZenFlowEngine:
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> ZenFlowEngine:
         """Allocate the host buffers, pin them (CUDA), and spawn the host worker. Idempotent."""
-        if self._started:
-            return self
         if self._closed:
             raise RuntimeError("this ZenFlowEngine was closed; build a new one.")
+        if self._started:
+            return self
         self.host_buffers: list[GroupHostBuffers] = allocate_host_buffers(self.layout)
         self._pinned: list[torch.Tensor] = []
         if self.device.type == "cuda":
@@ -226,7 +226,11 @@ class ZenFlowEngine:
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
             self._saved_threads = None
+        # drop every reference to the shared blocks so their pages are unmapped now, not at garbage collection
         self.host_buffers = []
+        if transfers is not None:
+            transfers.host_buffers = []
+        self._transfer_futures = []
 
     def __enter__(self) -> ZenFlowEngine:
         return self.start()

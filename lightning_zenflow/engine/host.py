@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -171,11 +172,11 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -
                 return
             _, seq, slot, jobs = command
             try:
+                started = time.perf_counter()
                 if spec.delay_s:
-                    time.sleep(spec.delay_s)
+                    time.sleep(spec.delay_s)  # inside the timed region: a slow host, as update_interval="auto" sees it
                 if spec.fail_at_update is not None and seq == spec.fail_at_update:
                     raise RuntimeError(f"injected failure at host update {seq} (test hook fail_at_update)")
-                started = time.perf_counter()
                 for group_index, job in enumerate(jobs):
                     host_adam_update(
                         spec.blocks[group_index],
@@ -219,6 +220,7 @@ class HostWorker:
         child_conn.close()
         # start-up imports torch in the child (seconds): wait for its "ready", bounded
         message = self._receive(start_timeout_s)
+        self._heartbeat[0] = time.monotonic()  # start-up is over: from now on the worker's own beat counts
         if message[0] != "ready":
             self.close()
             raise HostWorkerError(f"host worker sent {message[0]!r} instead of 'ready' at start-up.")
@@ -237,7 +239,10 @@ class HostWorker:
             raise HostWorkerError("a host update is already in flight; wait for it before submitting another.")
         self._seq += 1
         self._check_alive()
-        self._conn.send(("update", self._seq, slot, list(jobs)))
+        try:
+            self._conn.send(("update", self._seq, slot, list(jobs)))
+        except OSError as error:
+            self._raise_dead(error)
         self._in_flight = self._seq
 
     def wait(self) -> float:
@@ -279,11 +284,17 @@ class HostWorker:
         try:
             return self._conn.recv()
         except (EOFError, OSError) as error:
-            self._check_alive()
-            raise HostWorkerError(f"lost the pipe to the host worker: {error}") from error
+            self._raise_dead(error)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the worker: ask, wait, then terminate and kill. Idempotent; safe after a failure."""
+    def _raise_dead(self, error: BaseException) -> NoReturn:
+        """The pipe broke: the worker is dying. Give it a moment to be reaped so the error can say how it died."""
+        # process join, bounded: a killed worker closes its pipe a moment before it can be reaped
+        self._process.join(1.0)
+        self._check_alive()
+        raise HostWorkerError(f"lost the pipe to the host worker (pid {self._process.pid}): {error!r}") from error
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the worker: ask, wait, then kill. Idempotent; safe after a failure."""
         process = getattr(self, "_process", None)
         if process is None:
             return
@@ -293,9 +304,7 @@ class HostWorker:
             # process join: give it time to finish an update and exit on its own
             process.join(timeout_s)
         if process.is_alive():
-            process.terminate()
-            process.join(timeout_s)
-        if process.is_alive():
+            # SIGKILL, not SIGTERM: a stopped (SIGSTOP) worker would leave SIGTERM pending forever
             process.kill()
             process.join(timeout_s)
         self._conn.close()

@@ -176,7 +176,7 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                 state_entry.master.copy_(entry["master"])
                 state_entry.exp_avg.copy_(moment(device_entry.name, "exp_avg"))
                 state_entry.exp_avg_sq.copy_(moment(device_entry.name, "exp_avg_sq"))
-                if state_entry.master is not state_entry.param.data:
+                if state_entry.separate_master:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.synchronize_device()

@@ -1,0 +1,78 @@
+"""Shared test fixtures: a leak check for spawned processes, and the skip of GPU tests on machines without CUDA."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+
+def spawned_children() -> set[int]:
+    """Pids of this process's children that multiprocessing's ``spawn`` started (the ZenFlow host worker is one),
+    plus any child left as a zombie (exited but never joined).
+
+    The resource tracker that ``spawn`` starts once per session is a child too; it is not a ``spawn_main``
+    process and never a zombie, so it is not counted.
+    """
+    if not os.path.isdir("/proc"):
+        return set()
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat_file:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+                state, ppid = stat_file.read().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != me:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline_file:
+                cmdline = cmdline_file.read()
+        except (OSError, ValueError, IndexError):
+            continue  # the process ended while we looked
+        if state == "Z" or b"spawn_main" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def _active_children() -> dict[int, str]:
+    return {child.pid: child.name for child in multiprocessing.active_children()}
+
+
+@pytest.fixture
+def no_leaked_children():
+    """Fail the test if it leaves a spawned process (e.g. a ``zenflow-host`` worker) or an unjoined zombie behind.
+
+    Opt in per module with ``pytestmark = pytest.mark.usefixtures("no_leaked_children")``; only processes that
+    appeared during the test count, so children left by other tests never fail this one.
+    """
+    spawned_before = spawned_children()
+    active_before = _active_children()
+    yield
+    # scan /proc before active_children(): active_children() joins finished children and would hide a zombie
+    leaked_pids = spawned_children() - spawned_before
+    leaked_active = {pid: name for pid, name in _active_children().items() if pid not in active_before}
+    for pid in leaked_pids | set(leaked_active):
+        # clean up what this test started so one leak does not fail the tests after it
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    assert not leaked_pids, f"the test left spawned child processes (or zombies) behind: pids {sorted(leaked_pids)}"
+    assert not leaked_active, f"the test left multiprocessing children running: {leaked_active}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``@pytest.mark.gpu`` when no CUDA device is available."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

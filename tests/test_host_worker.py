@@ -1,0 +1,448 @@
+"""Tests of the host worker (engine/host.py): its AdamW arithmetic in-process, and through a real engine its
+failure modes (raise, SIGKILL, SIGSTOP), teardown, shared memory, "auto" window sizing and core binding.
+
+Every engine here spawns a real worker process (about 1.5 s), so each test builds at most one, with tiny tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+import os
+import signal
+import time
+import weakref
+
+import pytest
+import torch
+
+from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.engine import HostWorkerError, ZenFlowEngine, choose_update_interval
+from lightning_zenflow.engine import engine as engine_module
+from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.host import GroupJob, MatrixExtent, host_adam_update
+
+pytestmark = pytest.mark.usefixtures("no_leaked_children")
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _assert_no_worker_left(pid: int) -> None:
+    assert not _pid_exists(pid), f"the host worker (pid {pid}) still exists after close()"
+    assert multiprocessing.active_children() == []
+
+
+def _tiny_engine(config: ZenFlowConfig, **hooks: object) -> tuple[torch.nn.Linear, ZenFlowEngine]:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    names = {p: n for n, p in layer.named_parameters()}
+    return layer, ZenFlowEngine(optimizer, config, param_names=names, **hooks).start()
+
+
+def _step(layer: torch.nn.Linear, engine: ZenFlowEngine):
+    layer.weight.grad = torch.randn_like(layer.weight)
+    layer.bias.grad = torch.randn_like(layer.bias)
+    return engine.step()
+
+
+def _step_until_error(layer: torch.nn.Linear, engine: ZenFlowEngine, budget_s: float) -> HostWorkerError:
+    """Keep training until the engine raises HostWorkerError; fail if it does not within budget_s."""
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline:
+        try:
+            _step(layer, engine)
+        except HostWorkerError as error:
+            return error
+        time.sleep(0.01)
+    raise AssertionError(f"no HostWorkerError within {budget_s} s")
+
+
+# ----------------------------------------------------------------------------------------- host_adam_update
+@pytest.mark.parametrize(
+    ("optimizer_class", "options", "exact"),
+    [
+        (torch.optim.AdamW, {"fused": True}, True),
+        (torch.optim.Adam, {"fused": True}, True),
+        (torch.optim.AdamW, {"foreach": True}, False),
+        (torch.optim.Adam, {}, False),
+    ],
+)
+def test_host_adam_update_equals_torch_on_the_window_mean(optimizer_class, options, exact):
+    """Two matrices with different window counts (3 and 2 gradients), three windows alternating accumulators."""
+    torch.manual_seed(0)
+    shapes, counts, model_dtypes = [(4, 6), (3, 5)], (3, 2), (torch.bfloat16, torch.float16)
+    decoupled = optimizer_class is torch.optim.AdamW
+    hparams = HyperParams(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1, decoupled=decoupled)
+    reference = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    optimizer = optimizer_class(reference, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, **options)
+    extents, offset = [], 0
+    for param, dtype in zip(reference, model_dtypes):
+        extents.append(MatrixExtent(offset=offset, numel=param.numel(), dtype=dtype))
+        offset += param.numel()
+    block = torch.zeros(5, offset)
+    steps = torch.zeros(len(shapes))
+    for param, extent in zip(reference, extents):
+        block[0, extent.offset : extent.offset + extent.numel] = param.detach().flatten()
+    job = GroupJob(hparams=hparams, active=(0, 1), grads_in_window=counts)
+
+    for window in range(3):
+        slot = window % 2
+        block[3 + slot].zero_()
+        for param, extent, count in zip(reference, extents, counts):
+            gradients = [torch.randn(param.shape) for _ in range(count)]
+            accumulated = torch.zeros(param.shape)
+            for gradient in gradients:
+                accumulated += gradient
+            block[3 + slot, extent.offset : extent.offset + extent.numel] = accumulated.flatten()
+            param.grad = accumulated / count  # the window's mean
+        optimizer.step()
+        host_adam_update(block, steps, extents, slot, job)
+
+        for index, (param, extent) in enumerate(zip(reference, extents)):
+            region = slice(extent.offset, extent.offset + extent.numel)
+            state = optimizer.state[param]
+            host = {
+                "master": block[0, region].view(param.shape),
+                "exp_avg": block[1, region].view(param.shape),
+                "exp_avg_sq": block[2, region].view(param.shape),
+            }
+            expected = {"master": param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            for key in host:
+                if exact:
+                    assert torch.equal(host[key], expected[key]), f"window {window}, matrix {index}: {key}"
+                else:
+                    torch.testing.assert_close(host[key], expected[key], rtol=1e-6, atol=1e-7)
+            assert steps[index].item() == window + 1
+            # the new weights, cast to the model dtype, are staged in the bytes of the consumed accumulator
+            staged_bytes = block[3 + slot, region].view(torch.uint8)[: extent.numel * extent.dtype.itemsize]
+            staged = staged_bytes.view(extent.dtype).view(param.shape)
+            assert torch.equal(staged, param.detach().to(extent.dtype))
+        # the other accumulator is never read or written by this update
+        if window > 0:
+            assert torch.count_nonzero(block[3 + (slot ^ 1)]) > 0
+
+
+def test_host_adam_update_leaves_inactive_matrices_alone():
+    torch.manual_seed(0)
+    extents = [MatrixExtent(0, 6, torch.float32), MatrixExtent(6, 4, torch.float32)]
+    block = torch.randn(5, 10)
+    block[2] = block[2].abs()  # exp_avg_sq is never negative
+    steps = torch.tensor([2.0, 5.0])
+    before = block.clone()
+    hparams = HyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    host_adam_update(block, steps, extents, 0, GroupJob(hparams=hparams, active=(0,), grads_in_window=(1,)))
+    assert steps.tolist() == [3.0, 5.0]
+    assert torch.equal(block[:, 6:], before[:, 6:])  # master, moments and both accumulators of matrix 1
+    assert not torch.equal(block[0, :6], before[0, :6])
+    # fp32 model dtype: the staged copy is the master itself
+    assert torch.equal(block[3, :6], block[0, :6])
+    # a job with no active matrix is a no-op
+    after = block.clone()
+    host_adam_update(block, steps, extents, 1, GroupJob(hparams=hparams, active=(), grads_in_window=()))
+    assert torch.equal(block, after)
+    assert steps.tolist() == [3.0, 5.0]
+
+
+# ------------------------------------------------------------------------------------------- failure modes
+def test_worker_exception_surfaces_with_its_traceback_and_close_restores_everything():
+    affinity_before = os.sched_getaffinity(0)
+    threads_before = torch.get_num_threads()
+    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1), host_fail_at=2)
+    pid = engine.worker_pid
+    try:
+        error = _step_until_error(layer, engine, budget_s=20)
+        message = str(error)
+        assert "raised during update 2" in message
+        assert "Traceback (most recent call last)" in message  # the worker's own traceback text
+        assert "injected failure at host update 2" in message
+        assert engine.t <= 4  # surfaced at the next wait, not many steps later
+    finally:
+        engine.close()
+    engine.close()  # idempotent
+    _assert_no_worker_left(pid)
+    assert engine.host_buffers == []
+    assert os.sched_getaffinity(0) == affinity_before
+    assert torch.get_num_threads() == threads_before
+    with pytest.raises(RuntimeError, match="call start"):
+        _step(layer, engine)
+
+
+def test_start_after_close_says_build_a_new_engine():
+    layer = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    engine = ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=1.0)).start()  # no worker needed
+    engine.close()
+    with pytest.raises(RuntimeError, match="was closed; build a new one"):
+        engine.start()
+
+
+def test_sigkill_of_the_worker_is_detected_within_seconds():
+    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1, overlap_step=True), host_delay_s=0.02)
+    pid = engine.worker_pid
+    try:
+        for _ in range(3):
+            _step(layer, engine)
+        assert engine.host_in_flight
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        error = _step_until_error(layer, engine, budget_s=15)
+        detected_s = time.monotonic() - killed_at
+        assert detected_s < 10.0, f"the dead worker was noticed only after {detected_s:.1f} s"
+        message = str(error)
+        if "lost the pipe" not in message:  # the exit race, see test_worker_death_seen_as_eof_reports_the_exit_status
+            assert "died" in message
+            assert "signal 9" in message
+            assert str(pid) in message
+            assert "restart from the last checkpoint" in message
+    finally:
+        engine.close()
+    engine.close()
+    _assert_no_worker_left(pid)
+
+
+def _pretend_alive_while_exiting(monkeypatch: pytest.MonkeyPatch, engine: ZenFlowEngine, window_s: float) -> None:
+    """Model the exit race of a killed worker: the kernel closes its end of the pipe first, and only a moment later
+    is the process reapable, so ``Process.is_alive()`` still answers True for a short while (seen for real
+    under load: the SIGKILL test then got "lost the pipe to the host worker: " with no exit status). A fix that
+    waits for the process (``join``) or retries ``is_alive()`` for a moment sees the real exit status."""
+    process = engine._worker.process
+    real_is_alive = process.is_alive
+    window_ends = time.monotonic() + window_s
+
+    def is_alive() -> bool:
+        # "alive" until the window has passed or someone has waited for the process (join reaps it)
+        if time.monotonic() < window_ends and process._popen is not None and process._popen.returncode is None:
+            return True
+        return real_is_alive()
+
+    monkeypatch.setattr(process, "is_alive", is_alive)
+
+
+def _kill_and_wait_until_exited(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    # blocks until the worker has exited (its pipe end is closed) but leaves it unreaped for the engine to see
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+def test_worker_death_seen_as_eof_reports_the_exit_status(monkeypatch):
+    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1), host_delay_s=5.0)
+    pid = engine.worker_pid
+    try:
+        _step(layer, engine)  # update 1 in flight; the worker sleeps 5 s before computing it
+        _kill_and_wait_until_exited(pid)
+        _pretend_alive_while_exiting(monkeypatch, engine, window_s=0.2)
+        with pytest.raises(HostWorkerError) as error:
+            _step(layer, engine)  # waits for update 1: the pipe reads EOF
+        assert "died" in str(error.value), str(error.value)
+        assert "signal 9" in str(error.value)
+    finally:
+        engine.close()
+    _assert_no_worker_left(pid)
+
+
+def test_worker_death_seen_at_submit_is_a_host_worker_error(monkeypatch):
+    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1))
+    pid = engine.worker_pid
+    try:
+        _step(layer, engine)  # update 1 submitted
+        time.sleep(1.0)  # ... and answered: its "done" is waiting in the pipe
+        _kill_and_wait_until_exited(pid)
+        _pretend_alive_while_exiting(monkeypatch, engine, window_s=0.2)
+        with pytest.raises(HostWorkerError):
+            _step(layer, engine)  # reads update 1's answer, then submits update 2 to the dead worker
+    finally:
+        engine.close()
+    _assert_no_worker_left(pid)
+
+
+def test_stopped_worker_fails_the_run_after_worker_timeout():
+    timeout_s = 2.0
+    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1, worker_timeout_s=timeout_s))
+    pid = engine.worker_pid
+    try:
+        for _ in range(3):
+            _step(layer, engine)
+        time.sleep(0.3)  # the heartbeat has certainly been stamped since start-up
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        error = _step_until_error(layer, engine, budget_s=timeout_s + 10)
+        detected_s = time.monotonic() - stopped_at
+        assert detected_s <= timeout_s + 2.0, f"the frozen worker was noticed only after {detected_s:.1f} s"
+        assert "not answered" in str(error)
+        assert f"worker_timeout_s={timeout_s}" in str(error)
+        # close() on the still-stopped worker: a stopped process ignores the stop command and SIGTERM
+        closing_started = time.monotonic()
+        engine.close()
+        assert time.monotonic() - closing_started < 20.0
+        engine.close()
+        _assert_no_worker_left(pid)
+    finally:
+        if _pid_exists(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            engine.close()
+
+
+def test_context_manager_exception_leaves_no_process():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    pid = None
+    config = ZenFlowConfig(update_interval=2)
+    # the raise must happen inside the engine's `with`
+    with pytest.raises(ValueError, match="user code failed"), ZenFlowEngine(optimizer, config) as engine:  # noqa: PT012
+        pid = engine.worker_pid
+        assert pid is not None
+        assert engine.host_buffers[0].block_shared.is_shared()
+        _step(layer, engine)
+        raise ValueError("user code failed")
+    _assert_no_worker_left(pid)
+    assert engine.host_buffers == []
+
+
+def test_close_leaves_no_files_in_dev_shm():
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine: torch's shared memory does not live in files there")
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        pytest.skip(
+            "torch's sharing strategy is not file_descriptor: its /dev/shm files are owned by torch_shm_manager"
+        )
+
+    def ours(names: set[str], pids: set[int]) -> set[str]:
+        # torch names its segments torch_<pid>_...; other processes on this machine may create files meanwhile
+        return {name for name in names if any(name.startswith(f"torch_{pid}_") for pid in pids)}
+
+    before = set(os.listdir("/dev/shm"))
+    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=2))
+    pid = engine.worker_pid
+    try:
+        for _ in range(5):
+            _step(layer, engine)
+        engine.flush()
+    finally:
+        engine.close()
+    _assert_no_worker_left(pid)
+    assert engine.host_buffers == []
+    assert ours(set(os.listdir("/dev/shm")) - before, {os.getpid(), pid}) == set()
+
+
+def _shared_mappings() -> set[str]:
+    """The torch shared-memory segments mapped into this process (listed in /proc/self/maps, even when unlinked)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split()[5] for line in maps if len(line.split()) > 5 and line.split()[5].startswith("/dev/shm/")}
+
+
+def test_close_unmaps_the_shared_host_blocks():
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs /proc/self/maps to see shared mappings")
+    layer = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    # topk_ratio=1 still allocates the host blocks but starts no worker: this test spawns nothing
+    mapped_before = _shared_mappings()
+    engine = ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=1.0)).start()
+    block_ref = weakref.ref(engine.host_buffers[0].block_shared)
+    ours = _shared_mappings() - mapped_before
+    assert ours, "the host blocks should be mapped from /dev/shm while the engine runs"
+    engine.close()
+    gc.collect()
+    assert engine.host_buffers == []
+    assert block_ref() is None, "a shared host block is still referenced after close()"
+    assert not (_shared_mappings() & ours)
+
+
+# ------------------------------------------------------------------------------------- update_interval="auto"
+def test_choose_update_interval_rule():
+    assert choose_update_interval(1.0, 0.1) == 13  # ceil(1.25 * 10)
+    assert choose_update_interval(0.3, 0.1) == 4  # ceil(3.75)
+    assert choose_update_interval(1e-6, 0.1) == 1
+    assert choose_update_interval(0.0, 0.1) == 1
+    assert choose_update_interval(100.0, 0.1) == 64
+    assert choose_update_interval(1.0, 0.0) == 64  # no measurable device time: the largest window
+
+
+def test_auto_update_interval_grows_for_a_host_heavy_workload(monkeypatch):
+    """topk_ratio=0: the device step only adds a 2M-element gradient into the accumulator, while the host runs a
+    full AdamW over it: the host update is several device steps long, so "auto" must widen the window past 4."""
+    decisions = []
+
+    def spy(host_update_s: float, device_step_s: float) -> int:
+        chosen = choose_update_interval(host_update_s, device_step_s)
+        decisions.append((host_update_s, device_step_s, chosen))
+        return chosen
+
+    monkeypatch.setattr(engine_module, "choose_update_interval", spy)
+    weight = torch.nn.Parameter(torch.zeros(2048, 1024))
+    weight.grad = torch.randn_like(weight)
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    stats = []
+    with ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=0.0, update_interval="auto")) as engine:
+        # run until two windows after the decision at step 8 have closed (S <= 64, so at most 8 + 128 steps)
+        while len(stats) < 8 + 2 * 64 and sum(s.window_end for s in stats[8:]) < 2:
+            stats.append(engine.step())
+    assert len(decisions) == 1, "S is decided once, after the first host update"
+    host_s, device_s, chosen = decisions[0]
+    # S = 4 until the first host update has been waited for: at the second window end (overlap_step=True)
+    assert [s.update_interval for s in stats[:7]] == [4] * 7
+    assert [s.step for s in stats[:8] if s.window_end] == [4, 8]
+    decided_at = stats[7]
+    assert decided_at.update_interval == chosen
+    assert decided_at.host_update_s == host_s  # the worker's measured compute time of update 1
+    assert 0 < device_s < host_s
+    assert chosen > 4, f"host {host_s * 1e3:.2f} ms vs device step {device_s * 1e3:.2f} ms gave S={chosen}"
+    assert all(s.update_interval == chosen for s in stats[8:])
+    assert [s.step for s in stats[8:] if s.window_end] == [8 + chosen, 8 + 2 * chosen]
+    assert engine.update_interval == chosen
+
+
+# ------------------------------------------------------------------------------ fixed S and core binding
+def test_fixed_update_interval_is_reported_and_bind_cores_off_leaves_affinity():
+    affinity_before = os.sched_getaffinity(0)
+    config = ZenFlowConfig(update_interval=3, overlap_step=False, bind_cores=False)
+    layer, engine = _tiny_engine(config)
+    pid = engine.worker_pid
+    try:
+        assert os.sched_getaffinity(0) == affinity_before
+        stats = [_step(layer, engine) for _ in range(7)]
+    finally:
+        engine.close()
+    _assert_no_worker_left(pid)
+    assert [s.update_interval for s in stats] == [3] * 7
+    assert engine.update_interval == 3
+    assert [s.step for s in stats if s.window_end] == [3, 6]
+    # overlap_step=False: the update is computed and applied at its own window end
+    assert [s.host_update_s is not None for s in stats] == [False, False, True, True, True, True, True]
+    assert os.sched_getaffinity(0) == affinity_before
+
+
+def test_bind_cores_pins_both_sides_and_close_restores():
+    affinity_before = os.sched_getaffinity(0)
+    if len(affinity_before) < 2:
+        pytest.skip(f"needs at least 2 usable cores to bind disjointly, this process has {len(affinity_before)}")
+    threads_before = torch.get_num_threads()
+    config = ZenFlowConfig(update_interval=1, bind_cores=True)
+    train_cores, host_cores = config.core_split(sorted(affinity_before))
+    layer, engine = _tiny_engine(config)
+    pid = engine.worker_pid
+    try:
+        assert os.sched_getaffinity(0) == set(train_cores)
+        assert torch.get_num_threads() == len(train_cores)
+        assert os.sched_getaffinity(pid) == set(host_cores)
+        assert set(train_cores).isdisjoint(host_cores)
+        if len(affinity_before) == 2:
+            assert len(os.sched_getaffinity(0)) == 1
+        for _ in range(3):
+            _step(layer, engine)
+        assert os.sched_getaffinity(0) == set(train_cores)
+    finally:
+        engine.close()
+    _assert_no_worker_left(pid)
+    assert os.sched_getaffinity(0) == affinity_before
+    assert torch.get_num_threads() == threads_before
