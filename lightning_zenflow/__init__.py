@@ -4,15 +4,24 @@
 discovery for strategies, so the import is what makes ``Trainer(strategy="zenflow")`` work).
 """
 
+import importlib
 import os
+from typing import Any
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import HostWorkerError, StepStats, ZenFlowEngine
 
 __version__ = "0.1.0"
 
-# The spawned host worker imports this package only to reach lightning_zenflow.engine.host; it needs no
-# Lightning, whose import costs seconds. engine/host.py sets this variable for the child it starts.
+_LIGHTNING_NAMES = {
+    "ZenFlowPrecision": "lightning_zenflow.precision",
+    "ZenFlowStrategy": "lightning_zenflow.strategy",
+    "ZenFlowTelemetry": "lightning_zenflow.telemetry",
+}
+
+# The spawned host worker imports this package only to reach lightning_zenflow.engine.host and needs no
+# Lightning, whose import costs seconds; engine/host.py sets this variable for the child it starts. The
+# Lightning names stay importable there (lazily), since spawn re-runs the user's script in the child.
 if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -21,6 +30,13 @@ if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
     from lightning_zenflow.telemetry import ZenFlowTelemetry
 
     ZenFlowStrategy.register_strategies(StrategyRegistry)
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name in _LIGHTNING_NAMES:
+            return getattr(importlib.import_module(_LIGHTNING_NAMES[name]), name)
+        raise AttributeError(f"module 'lightning_zenflow' has no attribute {name!r}")
+
 
 __all__ = [
     "HostWorkerError",

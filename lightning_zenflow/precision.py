@@ -27,8 +27,9 @@ _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 
 def _unsupported_precision(name: str) -> MisconfigurationException:
     return MisconfigurationException(
-        f"ZenFlow does not support precision={name!r}. Use one of '32-true', 'bf16-mixed', '16-mixed' "
-        "(loss scaling, CUDA) or 'bf16-true' (bf16 weights on the device, fp32 master weights and moments)."
+        f"ZenFlow does not support precision={name!r}. Set Trainer(precision=...) to one of '32-true', "
+        "'bf16-mixed', '16-mixed' (fp16 autocast with loss scaling; Lightning turns it into 'bf16-mixed' on the "
+        "CPU) or 'bf16-true' (bf16 weights on the device, fp32 master weights and moments in the engine)."
     )
 
 
@@ -37,11 +38,15 @@ class ZenFlowPrecision(Precision):
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
-        device: ``"cuda"`` or ``"cpu"``, for autocast and the loss scaler of the mixed modes.
+        device: ``"cuda"`` or ``"cpu"``, for autocast and the loss scaler of the mixed modes; default ``"cuda"``
+            when CUDA is available, else ``"cpu"`` (autocast for a device that is not there would silently do
+            nothing).
     """
 
-    def __init__(self, precision: _PrecisionName = "32-true", device: str = "cuda") -> None:
+    def __init__(self, precision: _PrecisionName = "32-true", device: str | None = None) -> None:
         super().__init__()
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         name = str(precision)
         if name == "32":
             name = "32-true"

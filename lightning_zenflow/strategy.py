@@ -95,15 +95,14 @@ class ZenFlowStrategy(SingleDeviceStrategy):
             worker_timeout_s=worker_timeout_s,
             log_telemetry=log_telemetry,
         )
+        self._explicit_device = device is not None
+        self._parallel_devices: list[torch.device] | None = None
         super().__init__(
             device=device if device is not None else "cpu",
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._explicit_device = device is not None
-        # filled by Lightning's accelerator connector from Trainer(accelerator=..., devices=...)
-        self.parallel_devices: list[torch.device] | None = None
         self.engine: ZenFlowEngine | None = None
         self._final_state: tuple[dict, dict] | None = None
         self._own_callbacks: list[Callback] = []
@@ -122,6 +121,17 @@ class ZenFlowStrategy(SingleDeviceStrategy):
             return self.parallel_devices[0]
         return self._root_device
 
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices of ``Trainer(accelerator=..., devices=...)``, filled by Lightning's accelerator connector."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        # the connector sets this while the Trainer is built: a second device fails there, before any fit
+        _check_one_device(devices)
+        self._parallel_devices = devices
+
     @property  # type: ignore[override]
     @override
     def precision_plugin(self) -> ZenFlowPrecision:
@@ -137,15 +147,8 @@ class ZenFlowStrategy(SingleDeviceStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.parallel_devices is not None and len(self.parallel_devices) > 1:
-            raise MisconfigurationException(
-                f"ZenFlowStrategy runs on one device, but devices={len(self.parallel_devices)} were requested "
-                f"({[str(d) for d in self.parallel_devices]}). Use Trainer(devices=1); multi-device ZenFlow is not "
-                "implemented yet."
-            )
-        num_nodes = getattr(self, "_num_nodes", 1)
-        if num_nodes != 1:
-            raise MisconfigurationException(f"ZenFlowStrategy runs on one node; got num_nodes={num_nodes}.")
+        _check_one_device(self.parallel_devices)
+        _check_one_node(self.num_nodes)
         if self.root_device.type not in ("cpu", "cuda"):
             raise MisconfigurationException(
                 f"ZenFlowStrategy supports the 'cuda' and 'cpu' accelerators, got {self.root_device.type!r}."
@@ -154,10 +157,12 @@ class ZenFlowStrategy(SingleDeviceStrategy):
 
     @property
     def num_nodes(self) -> int:
+        """``Trainer(num_nodes=...)``, filled by Lightning's accelerator connector; ZenFlow runs on one."""
         return getattr(self, "_num_nodes", 1)
 
     @num_nodes.setter
     def num_nodes(self, value: int) -> None:
+        _check_one_node(value)
         self._num_nodes = value
 
     # ---------------------------------------------------------------------------------------------- lifecycle
@@ -175,6 +180,20 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         self.engine = ZenFlowEngine(self.optimizers[0], self.zenflow_config, param_names=names).start()
         self.precision_plugin.engine = self.engine
         self._install_callbacks(trainer)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        try:
+            super().setup_optimizers(trainer)
+        except RuntimeError as error:
+            # Lightning's own message sends the user to manual optimization, which ZenFlow cannot run
+            if "multiple optimizers" not in str(error):
+                raise
+            raise MisconfigurationException(
+                "ZenFlowStrategy supports exactly one optimizer and automatic optimization; configure_optimizers "
+                "returned several. Return a single torch.optim.AdamW, with one param group per setting if the "
+                "parameters need different hyperparameters."
+            ) from error
 
     def _check_module(self, module: pl.LightningModule) -> None:
         if not module.automatic_optimization:
@@ -243,6 +262,8 @@ class ZenFlowStrategy(SingleDeviceStrategy):
 
     @override
     def on_validation_start(self) -> None:
+        # normally a no-op by now: _SyncBoundaries synced before the callbacks ran (Lightning calls the
+        # strategy's hook last); kept for a Trainer whose callback list was rebuilt after setup
         if "validation" in self.zenflow_config.sync_on:
             self.sync()
         super().on_validation_start()
@@ -336,11 +357,34 @@ class ZenFlowStrategy(SingleDeviceStrategy):
             self.engine.load_torch_state_dict(torch_state)
 
 
+def _check_one_device(devices: list[torch.device] | None) -> None:
+    if devices is not None and len(devices) > 1:
+        raise MisconfigurationException(
+            f"ZenFlowStrategy runs on one device, but devices={len(devices)} were requested "
+            f"({[str(d) for d in devices]}). Use Trainer(devices=1); multi-device ZenFlow is not implemented yet."
+        )
+
+
+def _check_one_node(num_nodes: int) -> None:
+    if num_nodes != 1:
+        raise MisconfigurationException(
+            f"ZenFlowStrategy runs on one node, but num_nodes={num_nodes} was requested. Use Trainer(num_nodes=1)."
+        )
+
+
 class _SyncBoundaries(Callback):
-    """Applies host work in flight at the end of each training epoch when ``"epoch_end"`` is in ``sync_on``."""
+    """Applies host work in flight at the ``sync_on`` boundaries that Lightning reaches through callbacks.
+
+    It is the first callback of the Trainer, so the sync runs before the user's callbacks (and before the
+    LightningModule's and the strategy's own hooks, which Lightning calls after the callbacks) see the model.
+    """
 
     def __init__(self, strategy: ZenFlowStrategy) -> None:
         self.strategy = strategy
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if "validation" in self.strategy.zenflow_config.sync_on:
+            self.strategy.sync()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "epoch_end" in self.strategy.zenflow_config.sync_on:

@@ -39,15 +39,22 @@ class ZenFlowTelemetry(Callback):
     Added automatically by ``ZenFlowStrategy(log_telemetry=True)`` (the default); add it yourself to
     change ``log_every_n_steps`` or ``print_summary``.
 
+    The ``zenflow/*`` metrics go straight to ``trainer.loggers`` at the step Lightning logs the batch's own
+    metrics at (as ``LearningRateMonitor`` does): through ``LightningModule.log`` a metric logged only at some
+    steps, like the refresh diagnostics, would be repeated with its stale value at every later step of the epoch.
+
     Args:
-        log_every_n_steps: log the metrics every this many optimizer steps (refresh diagnostics always).
-        print_summary: print final loss, time and stall share when fit ends.
+        log_every_n_steps: log the per-step metrics every this many optimizer steps (refresh diagnostics
+            always); ``None`` follows ``Trainer(log_every_n_steps=...)``.
+        print_summary: print final loss, time and stall share when training ends.
         loss_key: the logged metric shown as the final loss in the summary.
     """
 
-    def __init__(self, log_every_n_steps: int = 1, print_summary: bool = True, loss_key: str = "train_loss") -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1.")
+    def __init__(
+        self, log_every_n_steps: int | None = None, print_summary: bool = True, loss_key: str = "train_loss"
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None: the Trainer's).")
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
         self.loss_key = loss_key
@@ -66,37 +73,42 @@ class ZenFlowTelemetry(Callback):
         engine = getattr(trainer.strategy, "engine", None)
         stats = engine.last_stats if engine is not None else None
         if stats is None or stats is self._last_stats:
-            return  # an accumulating micro-batch: no optimizer step happened
+            return  # an accumulating micro-batch (or a step skipped for inf gradients): no engine step happened
         self._last_stats = stats
         self.summary.steps += 1
         self.summary.stall_s += stats.stall_s
         self.summary.wall_s = time.perf_counter() - (self._started or time.perf_counter())
         pl_module.log("stall", self.summary.stall_share, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-        if stats.selection_overlap is not None or stats.selection_captured is not None:
-            metrics = {}
-            if stats.selection_overlap is not None:
-                metrics["zenflow/selection_overlap"] = stats.selection_overlap
-            if stats.selection_captured is not None:
-                metrics["zenflow/selection_captured"] = stats.selection_captured
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
-        if stats.step % self.log_every_n_steps:
-            return
-        metrics = {
-            "zenflow/stall_ms": stats.stall_s * 1e3,
-            "zenflow/stall_share": self.summary.stall_share,
-            "zenflow/update_interval": float(stats.update_interval),
-            "zenflow/d2h_bytes": float(stats.d2h_bytes),
-            "zenflow/h2d_bytes": float(stats.h2d_bytes),
-            "zenflow/device_bytes": float(stats.device_bytes),
-            "zenflow/host_bytes": float(stats.host_bytes),
-        }
-        if stats.device_update_s is not None:
-            metrics["zenflow/device_update_ms"] = stats.device_update_s * 1e3
-        if stats.host_update_s is not None:
-            metrics["zenflow/host_update_ms"] = stats.host_update_s * 1e3
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        metrics = {}
+        if stats.selection_overlap is not None:
+            metrics["zenflow/selection_overlap"] = stats.selection_overlap
+        if stats.selection_captured is not None:
+            metrics["zenflow/selection_captured"] = stats.selection_captured
+        every = self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+        if stats.step % every == 0:
+            metrics.update(
+                {
+                    "zenflow/stall_ms": stats.stall_s * 1e3,
+                    "zenflow/stall_share": self.summary.stall_share,
+                    "zenflow/update_interval": float(stats.update_interval),
+                    "zenflow/d2h_bytes": float(stats.d2h_bytes),
+                    "zenflow/h2d_bytes": float(stats.h2d_bytes),
+                    "zenflow/device_bytes": float(stats.device_bytes),
+                    "zenflow/host_bytes": float(stats.host_bytes),
+                }
+            )
+            if stats.device_update_s is not None:
+                metrics["zenflow/device_update_ms"] = stats.device_update_s * 1e3
+            if stats.host_update_s is not None:
+                metrics["zenflow/host_update_ms"] = stats.host_update_s * 1e3
+        if metrics and trainer.is_global_zero:
+            # the x-axis value Lightning uses for this batch's own metrics (private, as in LearningRateMonitor)
+            step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # not on_fit_end: Lightning tears the strategy down (which removes this callback) before on_fit_end
         if self._started is None:
             return
         self.summary.wall_s = time.perf_counter() - self._started

@@ -265,7 +265,8 @@ class HostWorker:
             raise HostWorkerError(
                 f"the host worker process (pid {self._process.pid}) died with exit code {code}"
                 + (f" (signal {-code})" if code is not None and code < 0 else "")
-                + ". Its host optimizer state is lost; restart from the last checkpoint."
+                + ". Its error output (stderr) above says why; the host optimizer state is lost, so restart from the "
+                "last checkpoint."
             )
 
     def _receive(self, budget_s: float | None) -> tuple:

@@ -1,0 +1,115 @@
+"""The host worker's lifecycle under Lightning (CPU): no process is left after a normal fit, an exception, a
+KeyboardInterrupt or a killed worker, and a Trainer can fit twice."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import lightning
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning_helpers import RecordWorkerPid, TinyModule, make_trainer, process_gone, weights
+
+from lightning_zenflow import HostWorkerError, ZenFlowStrategy
+from lightning_zenflow.strategy import _SyncBoundaries
+from lightning_zenflow.telemetry import ZenFlowTelemetry
+
+pytestmark = pytest.mark.usefixtures("no_leaked_children")
+
+HOST_EVERY_STEP = {"topk_ratio": 0.25, "update_interval": 1, "overlap_step": False}
+"""The engine talks to the host worker at every step, so a dead worker is noticed at the next one."""
+
+
+def _assert_worker_gone(record: RecordWorkerPid) -> None:
+    assert record.pids, "the fit should have started a host worker"
+    for pid in record.pids:
+        assert process_gone(pid), f"host worker {pid} is still alive"
+    assert not multiprocessing.active_children()
+
+
+def test_normal_fit_leaves_no_process_and_restores_the_cores() -> None:
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    record = RecordWorkerPid()
+    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP), max_epochs=1, callbacks=[record])
+    trainer.fit(TinyModule())
+    _assert_worker_gone(record)
+    assert trainer.strategy.engine is None
+    assert os.sched_getaffinity(0) == affinity
+    assert torch.get_num_threads() == threads
+    assert not any(isinstance(c, (_SyncBoundaries, ZenFlowTelemetry)) for c in trainer.callbacks)
+
+
+def test_exception_in_training_step_leaves_no_process() -> None:
+    record = RecordWorkerPid()
+    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP), callbacks=[record])
+    with pytest.raises(RuntimeError, match="injected failure at step 3"):
+        trainer.fit(TinyModule(fail_at_step=3))
+    _assert_worker_gone(record)
+    assert trainer.strategy.engine is None
+    assert trainer.state.status == "interrupted"
+
+
+def test_keyboard_interrupt_leaves_no_process() -> None:
+    record = RecordWorkerPid()
+    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP), callbacks=[record])
+    sigint_handler = signal.getsignal(signal.SIGINT)
+    try:
+        # Lightning 2.6.6 catches it, tears down, then calls sys.exit(1) (and ignores SIGINT from then on)
+        with pytest.raises(SystemExit) as raised:
+            trainer.fit(TinyModule(fail_at_step=3, fail_with=KeyboardInterrupt))
+    finally:
+        signal.signal(signal.SIGINT, sigint_handler)
+    assert raised.value.code == 1
+    _assert_worker_gone(record)
+    assert trainer.strategy.engine is None
+
+
+class _KillWorker(Callback):
+    def __init__(self, at_batch: int) -> None:
+        self.at_batch = at_batch
+        self.killed_at: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if batch_idx == self.at_batch:
+            os.kill(trainer.strategy.engine.worker_pid, signal.SIGKILL)
+            self.killed_at = time.monotonic()
+
+
+def test_killed_worker_fails_the_fit_quickly() -> None:
+    record, kill = RecordWorkerPid(), _KillWorker(at_batch=3)
+    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP, worker_timeout_s=5.0), callbacks=[record, kill])
+    with pytest.raises(HostWorkerError, match=r"host worker.*(died|signal 9)"):
+        trainer.fit(TinyModule())
+    assert time.monotonic() - kill.killed_at < 10.0
+    _assert_worker_gone(record)
+    assert trainer.strategy.engine is None
+
+
+class _RecordCallbacks(Callback):
+    def __init__(self) -> None:
+        self.own_callbacks: list[int] = []
+
+    def on_train_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.own_callbacks.append(sum(isinstance(c, (_SyncBoundaries, ZenFlowTelemetry)) for c in trainer.callbacks))
+
+
+def test_the_same_trainer_fits_twice() -> None:
+    record, callbacks = RecordWorkerPid(), _RecordCallbacks()
+    module = TinyModule()
+    trainer = make_trainer(
+        ZenFlowStrategy(topk_ratio=0.25, update_interval=2), max_epochs=1, callbacks=[record, callbacks]
+    )
+    trainer.fit(module)
+    after_first = weights(module)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module)
+    assert trainer.global_step == 16
+    assert len(module.train_losses) == 16
+    assert all(not value.equal(after_first[name]) for name, value in weights(module).items()), "second fit trained"
+    assert len(set(record.pids)) == 2, "each fit starts its own host worker"
+    assert callbacks.own_callbacks == [2, 2], "the strategy's callbacks are installed once per fit, never stacked"
+    _assert_worker_gone(record)
