@@ -253,12 +253,15 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         # the end of training closes the open window and applies everything: the weights hold every gradient
         if self.engine is not None:
             self.engine.flush()
+            self.engine.wait_for_update()
         super().on_train_end()
 
     def sync(self) -> None:
         """Apply the host update in flight (if fitting); the model then holds every finished update."""
         if self.engine is not None:
             self.engine.sync()
+            # GPU-side: whatever reads the weights next on the compute stream runs after the side stream's writes
+            self.engine.wait_for_update()
 
     @override
     def on_validation_start(self) -> None:
@@ -312,6 +315,8 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer
         if "checkpoint" in self.zenflow_config.sync_on and trainer.state.fn == TrainerFn.FITTING:
             self.sync()
+        if self.engine is not None:
+            self.engine.wait_for_update()  # the weights are read (copied to the CPU) on the compute stream next
         return super().lightning_module_state_dict()
 
     @override
