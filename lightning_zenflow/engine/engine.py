@@ -138,6 +138,7 @@ class ZenFlowEngine:
         self.device_updater = DeviceUpdater(self.layout, self.device)
         self.transfers = Transfers(self.device_updater, self.host_buffers, self.device)
         self._transfer_futures: list[concurrent.futures.Future] = []
+        self._launch_future: concurrent.futures.Future | None = None
         self._worker: HostWorker | None = None
         self._started = True
         if self.needs_host():
@@ -264,7 +265,7 @@ class ZenFlowEngine:
                 for state in self._matrix_states():
                     if state.slot.param.grad is not None:
                         state.step += 1
-            payloads = self.transfers.gather(self.device_updater.selected)
+            payloads, gathered_event = self.transfers.gather(self.device_updater.selected)
         self.device_updater.end_step()
         if self.device.type == "cuda":
             device_s = self.device_updater.finished_update_seconds()  # from events; never waits
@@ -276,7 +277,7 @@ class ZenFlowEngine:
                 if slot.param.grad is not None:
                     self._window_grads[group_index][index] += 1
         with torch.profiler.record_function("zenflow.accumulate"):
-            self._submit_transfer(self.transfers.accumulate, payloads, self._slot, first_in_window)
+            self._submit_transfer(self.transfers.accumulate, payloads, gathered_event, self._slot, first_in_window)
         del payloads
         self._steps_in_window += 1
         window_end = warm_up or self._steps_in_window >= self._interval
@@ -342,7 +343,7 @@ class ZenFlowEngine:
             self._timed_wait(self._finish_pending)
         if any(job.active for job in jobs):
             # in order after this window's accumulation on the helper thread (CUDA) or at once (CPU)
-            self._submit_transfer(self._worker_submit, slot, jobs)
+            self._launch_future = self._submit_transfer(self._worker_submit, slot, jobs)
             self._pending_slot = slot
             self._pending_computed = False
             self._pending_active = [job.active for job in jobs]
@@ -358,34 +359,47 @@ class ZenFlowEngine:
             raise RuntimeError("internal error: host work was scheduled but no host worker is running.")
         self._worker.submit(slot, jobs)
 
-    def _submit_transfer(self, fn: Callable[..., None], *args: object) -> None:
+    def _submit_transfer(self, fn: Callable[..., None], *args: object) -> concurrent.futures.Future | None:
         """Run ``fn`` in order with the other transfers: on the helper thread (CUDA) or now (CPU)."""
+        while self._transfer_futures and self._transfer_futures[0].done():
+            self._transfer_futures.pop(0).result()  # raise an earlier failure now
         future = self.transfers.executor.submit(fn, *args)
         if future.done():
             future.result()  # raise a failure at once
-        else:
-            self._transfer_futures.append(future)
+            return None
+        self._transfer_futures.append(future)
+        return future
+
+    def _wait_transfers(self, upto: concurrent.futures.Future | None) -> None:
+        """Helper-thread queue wait, in order, up to ``upto`` (inclusive; everything when None)."""
+        while self._transfer_futures:
+            future = self._transfer_futures.pop(0)
+            future.result()
+            if future is upto:
+                return
 
     def _await_pending(self) -> None:
         """Wait (without applying) until the host update in flight has finished computing."""
         if self._pending_slot is None or self._pending_computed:
             return
-        # the submit may still sit on the helper thread: drain it before waiting for the worker's answer
-        self._drain_transfers()
+        # the submit may still sit on the helper thread, behind its window's last d2h: wait for it, not for
+        # copies queued after it (they belong to the next window and may overlap the upload)
+        if self._launch_future is not None:
+            self._wait_transfers(self._launch_future)
+            self._launch_future = None
         self._last_host_s = self._worker.wait()
         self._pending_computed = True
 
     def _finish_pending(self) -> None:
         self._await_pending()
-        self._drain_transfers()
         self.transfers.upload(self._pending_slot, self._pending_active)
         self._pending_slot = None
         self._pending_computed = False
 
     def _drain_transfers(self) -> None:
         # helper-thread queue wait: every d2h copy, host add and submit issued so far has finished (or raised)
-        while self._transfer_futures:
-            self._transfer_futures.pop(0).result()
+        self._wait_transfers(None)
+        self._launch_future = None
 
     def _timed_wait(self, wait: Callable[[], None]) -> None:
         """Run a blocking wait, counting its time as stall; it shows in the profiler as ``zenflow.wait:<name>``."""

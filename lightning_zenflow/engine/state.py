@@ -129,9 +129,18 @@ def _validate_names(engine: ZenFlowEngine, params: Mapping[str, Mapping]) -> Non
             "only the model weights (e.g. ckpt_path=None and load_state_dict on the module)."
         )
     for name, param in expected.items():
-        shape = tuple(params[name]["master"].shape)
-        if shape != tuple(param.shape):
-            raise ValueError(f"parameter {name} has shape {tuple(param.shape)} but the saved state has {shape}.")
+        entry = params[name]
+        for key in ("master", *MOMENTS, "grad_acc"):
+            if key in entry and tuple(entry[key].shape) != tuple(param.shape):
+                raise ValueError(
+                    f"parameter {name} has shape {tuple(param.shape)} but its saved {key} has "
+                    f"{tuple(entry[key].shape)}; the checkpoint belongs to a different model."
+                )
+        if "selected" in entry:
+            cols = param.numel() // param.shape[0]
+            selected = entry["selected"]
+            if selected.ndim != 1 or (selected.numel() and (int(selected.min()) < 0 or int(selected.max()) >= cols)):
+                raise ValueError(f"the saved selected columns of {name} are not indices into its {cols} columns.")
 
 
 def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: Mapping | None) -> None:
@@ -139,6 +148,7 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"unknown ZenFlow state version {state.get('version')!r}; expected {STATE_VERSION}.")
     params = state["params"]
+    # everything is validated before anything is written: a bad state leaves the engine untouched
     _validate_names(engine, params)
     moments = _moments_by_name(engine, torch_state) if torch_state is not None else {}
     progress = state["progress"]
@@ -232,11 +242,12 @@ def _moments_by_name(engine: ZenFlowEngine, torch_state: Mapping) -> dict[str, d
             for key in (*MOMENTS, "step"):
                 if key not in entry:
                     raise ValueError(f"the optimizer state of {names[id(param)]} has no {key!r}; is it Adam/AdamW?")
-            if tuple(entry["exp_avg"].shape) != tuple(param.shape):
-                raise ValueError(
-                    f"the optimizer state of {names[id(param)]} has shape {tuple(entry['exp_avg'].shape)}, "
-                    f"the parameter {tuple(param.shape)}."
-                )
+            for key in MOMENTS:
+                if tuple(entry[key].shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"the optimizer state of {names[id(param)]} has {key} of shape {tuple(entry[key].shape)}, "
+                        f"the parameter {tuple(param.shape)}; the checkpoint belongs to a different model."
+                    )
             by_name[names[id(param)]] = {
                 "exp_avg": entry["exp_avg"].float(),
                 "exp_avg_sq": entry["exp_avg_sq"].float(),

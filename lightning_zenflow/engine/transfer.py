@@ -45,15 +45,19 @@ class InlineExecutor:
 
 @dataclass
 class GradPayload:
-    """The unselected gradient columns of one matrix, gathered on the device for one step."""
+    """The gradient columns of one matrix that go to the host at one step."""
 
     state: SelectedState
     columns_device: torch.Tensor
-    """``[rows, n_unselected]`` in the model dtype."""
+    """CUDA: ``[rows, n_unselected]`` gathered on the device, in the model dtype. CPU: the whole gradient."""
 
 
 class Transfers:
-    """The d2h accumulation and the h2d upload, with byte counters at the copy sites."""
+    """The d2h accumulation and the h2d upload, with byte counters at the copy sites.
+
+    The counters report what crosses the device link: on CUDA exactly what is copied; on the CPU, where
+    device and host share memory and nothing is copied, what the CUDA path would copy for the same step.
+    """
 
     def __init__(
         self, device_updater: DeviceUpdater, host_buffers: Sequence[GroupHostBuffers], device: torch.device
@@ -72,35 +76,49 @@ class Transfers:
         self._staging_pinned: list[torch.Tensor] = []
         self._staging_events: list[torch.cuda.Event] = []
         self._upload_event = torch.cuda.Event() if self.is_cuda else None
+        # its own stream, so gradient copies down never queue behind the weight copies up on the side stream
+        self.d2h_stream = torch.cuda.Stream(device) if self.is_cuda else None
         if self.is_cuda:
             for _ in range(2):
                 self._staging_pinned.append(torch.empty(STAGING_SLOT_BYTES, dtype=torch.uint8, pin_memory=True))
                 self._staging_events.append(torch.cuda.Event())
 
-    def gather(self, groups: Sequence[Sequence[SelectedState]]) -> list[GradPayload]:
-        """Gather this step's unselected gradient columns on the device. Call on the side stream."""
+    def gather(self, groups: Sequence[Sequence[SelectedState]]) -> tuple[list[GradPayload], torch.cuda.Event | None]:
+        """This step's gradient columns that stay on the host. Call on the side stream.
+
+        Returns the payloads and, on CUDA, an event recorded after the gathers (the d2h copies wait on it).
+        """
         payloads = []
         for group_states in groups:
             for state in group_states:
                 grad = state.slot.param.grad
                 if grad is None or state.unselected.numel() == 0:
                     continue
-                if self.is_cuda:
-                    # made on the compute stream, read here on the side stream: keep it alive for the side stream
-                    grad.record_stream(self.device_updater.side_stream)
                 grad2d = grad.view(state.slot.rows, state.slot.cols)
-                if state.unselected.numel() < state.slot.cols:
-                    columns = grad2d.index_select(1, state.unselected)
-                elif self.is_cuda:
-                    # a copy the helper thread owns: zero_grad may clear the gradient before the d2h runs
-                    columns = grad2d.detach().clone()
-                else:
-                    columns = grad2d.detach()  # consumed inline, before anyone can touch the gradient
+                self.d2h_bytes += state.slot.rows * state.unselected.numel() * grad.element_size()
+                if not self.is_cuda:
+                    # consumed inline, before anyone can touch the gradient; the host add takes whole rows
+                    payloads.append(GradPayload(state=state, columns_device=grad2d.detach()))
+                    continue
+                # made on the compute stream, read here on the side stream: keep it alive for the side stream
+                grad.record_stream(self.device_updater.side_stream)
+                # a copy the helper thread owns: zero_grad may clear the gradient before the d2h runs
+                columns = grad2d.index_select(1, state.unselected)
+                columns.record_stream(self.d2h_stream)
                 payloads.append(GradPayload(state=state, columns_device=columns))
-                self.d2h_bytes += columns.nbytes
-        return payloads
+        if not self.is_cuda:
+            return payloads, None
+        gathered_event = torch.cuda.Event()
+        gathered_event.record(self.device_updater.side_stream)
+        return payloads, gathered_event
 
-    def accumulate(self, payloads: Sequence[GradPayload], slot: int, first_in_window: bool) -> None:
+    def accumulate(
+        self,
+        payloads: Sequence[GradPayload],
+        gathered_event: torch.cuda.Event | None,
+        slot: int,
+        first_in_window: bool,
+    ) -> None:
         """Add the payloads into accumulator ``slot`` (zeroed first at a window's first step). Runs in order."""
         if first_in_window:
             if self._upload_event is not None:
@@ -109,18 +127,21 @@ class Transfers:
             for host in self.host_buffers:
                 host.grad_acc(slot).zero_()
         if self.is_cuda:
-            self._accumulate_cuda(payloads, slot)
+            self._accumulate_cuda(payloads, gathered_event, slot)
             return
         for payload in payloads:
-            state = payload.state
-            acc2d = state.slot.view2d(self.host_buffers[state.slot.group_index].grad_acc(slot))
-            if state.unselected.numel() == state.slot.cols:
-                acc2d.add_(payload.columns_device)
-            else:
-                acc2d.index_add_(1, state.unselected, payload.columns_device.float())
+            # whole rows: the columns that are on the device accumulate too, into parked slots nobody reads
+            # (cheaper than gathering the host's columns: one contiguous add instead of a gather and a scatter)
+            acc2d = payload.state.slot.view2d(self.host_buffers[payload.state.slot.group_index].grad_acc(slot))
+            acc2d.add_(payload.columns_device)
 
-    def _accumulate_cuda(self, payloads: Sequence[GradPayload], slot: int) -> None:
-        side_stream = self.device_updater.side_stream
+    def _accumulate_cuda(
+        self, payloads: Sequence[GradPayload], gathered_event: torch.cuda.Event | None, slot: int
+    ) -> None:
+        d2h_stream = self.d2h_stream
+        with torch.cuda.device(d2h_stream.device):
+            # GPU-side wait: the copies start once the side stream has gathered the columns
+            d2h_stream.wait_event(gathered_event)
         pending: tuple | None = None
         ring = 0
         for payload in payloads:
@@ -135,9 +156,9 @@ class Transfers:
                 chunk = columns[row_start:row_stop]
                 staging = self._staging_pinned[ring][: chunk.numel() * chunk.element_size()]
                 staging = staging.view(chunk.dtype).view(chunk.shape)
-                with torch.cuda.device(side_stream.device), torch.cuda.stream(side_stream):
+                with torch.cuda.device(d2h_stream.device), torch.cuda.stream(d2h_stream):
                     staging.copy_(chunk, non_blocking=True)
-                    self._staging_events[ring].record(side_stream)
+                    self._staging_events[ring].record(d2h_stream)
                 if pending is not None:
                     self._add_staged(*pending)
                 pending = (ring, staging, acc2d[row_start:row_stop], unselected_host)

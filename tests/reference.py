@@ -1,0 +1,396 @@
+"""An independent reference implementation of ``docs/update_rule.md``, written for obviousness, not speed.
+
+One process, no worker, no shared memory, no flat buffers: every matrix keeps dense ``[rows, cols]`` fp32
+tensors for each side and a dense boolean column mask for the selection. Values that the rule says are
+never read are set to NaN (device values of unselected columns, host values of parked columns), so a
+mistake here that reads them shows up as NaN in the comparison instead of passing by accident.
+
+The host update of a window is computed at once when the window closes (nothing can touch the host state
+before it is applied, so computing it later would give the same numbers); what overlap changes is only
+*when the model shows it*, which ``_shown`` models: the host master of the last applied host update.
+
+This file imports torch only: nothing from ``lightning_zenflow`` except the config dataclass it reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zenflow.config import ZenFlowConfig
+
+
+@dataclass(frozen=True)
+class RefHyperParams:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+    @classmethod
+    def read(cls, group: Mapping) -> RefHyperParams:
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=bool(group["decoupled_weight_decay"]),
+        )
+
+
+def adam_update(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    hp: RefHyperParams,
+    count: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Adam/AdamW update, as written in the doc; ``count`` is the count after this update. Returns new tensors."""
+    grad = grad.float()
+    if hp.decoupled:
+        master = master * (1.0 - hp.lr * hp.weight_decay)
+    else:
+        grad = grad + hp.weight_decay * master
+    exp_avg = exp_avg + (1.0 - hp.beta1) * (grad - exp_avg)
+    exp_avg_sq = hp.beta2 * exp_avg_sq + (1.0 - hp.beta2) * grad * grad
+    bias_correction1 = 1.0 - hp.beta1**count
+    bias_correction2 = 1.0 - hp.beta2**count
+    denominator = exp_avg_sq.sqrt() / math.sqrt(bias_correction2) + hp.eps
+    master = master - (hp.lr / bias_correction1) * exp_avg / denominator
+    return master, exp_avg, exp_avg_sq
+
+
+def num_columns(cols: int, ratio: float) -> int:
+    """k = ceil(ratio * cols - 1e-9); 0 for ratio 0, cols for ratio 1, at least 1 for any ratio > 0."""
+    if ratio == 0:
+        return 0
+    if ratio == 1:
+        return cols
+    return min(cols, max(1, math.ceil(ratio * cols - 1e-9)))
+
+
+def column_scores(grad2d: torch.Tensor | None, cols: int, importance: str) -> list[float]:
+    if grad2d is None:
+        return [0.0] * cols
+    grad2d = grad2d.float()
+    scores = (grad2d * grad2d).sum(dim=0) if importance == "l2" else grad2d.abs().sum(dim=0)
+    return scores.tolist()
+
+
+def choose_columns(scores: list[float], k: int) -> torch.Tensor:
+    """Dense boolean mask of the k highest scores; ties go to the lower column index."""
+    ranked = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    mask = torch.zeros(len(scores), dtype=torch.bool)
+    mask[ranked[:k]] = True
+    return mask
+
+
+def _nan_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(tensor, float("nan"))
+
+
+class _DeviceOnly:
+    """A parameter with ndim <= 1: fp32 master and moments on the device side, one count."""
+
+    def __init__(self, name: str, param: torch.Tensor, group: int) -> None:
+        self.name, self.group, self.shape, self.dtype = name, group, tuple(param.shape), param.dtype
+        self.master = param.detach().float().clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.count = 0
+
+    def update(self, grad: torch.Tensor, hp: RefHyperParams) -> None:
+        self.count += 1
+        self.master, self.exp_avg, self.exp_avg_sq = adam_update(
+            self.master, self.exp_avg, self.exp_avg_sq, grad, hp, self.count
+        )
+
+
+class _Matrix:
+    """A parameter with ndim >= 2, viewed as [shape[0], numel // shape[0]], split by column."""
+
+    def __init__(self, name: str, param: torch.Tensor, group: int) -> None:
+        self.name, self.group, self.shape, self.dtype = name, group, tuple(param.shape), param.dtype
+        self.rows = param.shape[0]
+        self.cols = param.numel() // self.rows
+        initial = param.detach().float().reshape(self.rows, self.cols).clone()
+        # host side: every column (parked columns are NaN while selected)
+        self.host_master = initial.clone()
+        self.host_exp_avg = torch.zeros_like(initial)
+        self.host_exp_avg_sq = torch.zeros_like(initial)
+        self.host_count = 0
+        # device side: only the selected columns hold numbers
+        self.device_master = _nan_like(initial)
+        self.device_exp_avg = _nan_like(initial)
+        self.device_exp_avg_sq = _nan_like(initial)
+        self.device_count = 0
+        self.selected = torch.zeros(self.cols, dtype=torch.bool)
+        # what the model shows for unselected columns: the host master of the last applied host update
+        self.shown = initial.clone()
+        # the open window
+        self.window_sum = torch.zeros_like(initial)
+        self.window_grads = 0
+
+    def grad2d(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        return None if grad is None else grad.detach().float().reshape(self.rows, self.cols)
+
+    def full_host_update(self, grad2d: torch.Tensor, hp: RefHyperParams) -> None:
+        """Warm-up: every element, synchronous, both counts +1."""
+        self.host_count += 1
+        self.device_count += 1
+        self.host_master, self.host_exp_avg, self.host_exp_avg_sq = adam_update(
+            self.host_master, self.host_exp_avg, self.host_exp_avg_sq, grad2d, hp, self.host_count
+        )
+        self.shown = self.host_master.clone()
+
+    def device_update(self, grad2d: torch.Tensor, hp: RefHyperParams) -> None:
+        cols = self.selected
+        self.device_count += 1
+        master, exp_avg, exp_avg_sq = adam_update(
+            self.device_master[:, cols],
+            self.device_exp_avg[:, cols],
+            self.device_exp_avg_sq[:, cols],
+            grad2d[:, cols],
+            hp,
+            self.device_count,
+        )
+        self.device_master[:, cols] = master
+        self.device_exp_avg[:, cols] = exp_avg
+        self.device_exp_avg_sq[:, cols] = exp_avg_sq
+
+    def accumulate(self, grad2d: torch.Tensor) -> None:
+        cols = ~self.selected
+        self.window_sum[:, cols] += grad2d[:, cols]
+        self.window_grads += 1
+
+    def host_window_update(self, hp: RefHyperParams) -> bool:
+        """Close the window on the host side: one update of the unselected columns with the mean. True if it ran."""
+        cols = ~self.selected
+        ran = bool(cols.any()) and self.window_grads > 0
+        if ran:
+            mean = self.window_sum / self.window_grads
+            self.host_count += 1
+            master, exp_avg, exp_avg_sq = adam_update(
+                self.host_master[:, cols],
+                self.host_exp_avg[:, cols],
+                self.host_exp_avg_sq[:, cols],
+                mean[:, cols],
+                hp,
+                self.host_count,
+            )
+            self.host_master[:, cols] = master
+            self.host_exp_avg[:, cols] = exp_avg
+            self.host_exp_avg_sq[:, cols] = exp_avg_sq
+        self.window_sum = torch.zeros_like(self.window_sum)
+        self.window_grads = 0
+        return ran
+
+    def migrate(self, new_selected: torch.Tensor) -> None:
+        """Device columns back to the host, then the new columns from the host. Counts do not move."""
+        old = self.selected
+        for host, device in (
+            (self.host_master, self.device_master),
+            (self.host_exp_avg, self.device_exp_avg),
+            (self.host_exp_avg_sq, self.device_exp_avg_sq),
+        ):
+            host[:, old] = device[:, old]
+        # nothing is in flight: the model now shows exactly the complete host state
+        self.shown = self.host_master.clone()
+        self.selected = new_selected.clone()
+        new = self.selected
+        self.device_master = _nan_like(self.host_master)
+        self.device_exp_avg = _nan_like(self.host_master)
+        self.device_exp_avg_sq = _nan_like(self.host_master)
+        for host, device in (
+            (self.host_master, self.device_master),
+            (self.host_exp_avg, self.device_exp_avg),
+            (self.host_exp_avg_sq, self.device_exp_avg_sq),
+        ):
+            device[:, new] = host[:, new]
+            host[:, new] = float("nan")  # parked: never read until the column leaves the selection
+
+    def merged(self, host: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.selected, device, host).reshape(self.shape)
+
+
+@dataclass
+class RefStepInfo:
+    """What happened at one reference step (compared with the engine's ``StepStats``)."""
+
+    window_end: bool
+    selected: bool
+    """A selection was made at this step (the first one at W+1, or a refresh)."""
+    selection_changed: bool
+
+
+class ReferenceZenFlow:
+    """The ZenFlow update rule in one process, for differential tests.
+
+    Args:
+        param_groups: the torch optimizer's ``param_groups`` (lists of dicts with ``"params"`` and the
+            hyperparameters); they are read at every step, so changing ``group["lr"]`` works as a scheduler.
+        names: ``{param: name}``; frozen parameters are ignored.
+        config: the ZenFlow knobs (only the update-rule ones are read; ``update_interval`` must be an int).
+        steps_per_epoch: optimizer steps per epoch, for ``select_strategy`` ``"epoch"`` / ``"auto"``.
+    """
+
+    def __init__(
+        self,
+        param_groups: Sequence[Mapping],
+        names: Mapping[torch.Tensor, str],
+        config: ZenFlowConfig,
+        steps_per_epoch: int | None = None,
+    ) -> None:
+        if not isinstance(config.update_interval, int):
+            raise ValueError("the reference needs an integer update_interval")
+        self.param_groups = param_groups
+        self.config = config
+        self.ratio = float(config.topk_ratio)
+        self.interval = config.update_interval
+        self.warm_up = config.full_warm_up_rounds
+        names_by_id = {id(param): name for param, name in names.items()}
+        self.matrices: list[_Matrix] = []
+        self.device_only: list[_DeviceOnly] = []
+        for group_index, group in enumerate(param_groups):
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                name = names_by_id[id(param)]
+                if param.ndim >= 2:
+                    self.matrices.append(_Matrix(name, param, group_index))
+                else:
+                    self.device_only.append(_DeviceOnly(name, param, group_index))
+        if config.select_strategy == "step":
+            self.refresh_period: int | None = int(config.select_interval)
+        else:
+            epochs = 1 if config.select_strategy == "auto" else int(config.select_interval)
+            self.refresh_period = None if steps_per_epoch is None else epochs * steps_per_epoch
+        self.t = 0
+        self.t_select: int | None = None
+        self.steps_in_window = 0
+        self.last_hparams: list[RefHyperParams] | None = None
+        self.pending: dict[str, torch.Tensor] | None = None
+        """Overlap on: the host masters computed at the last window end, not yet shown by the model."""
+        self.selection_changes = 0
+
+    # ------------------------------------------------------------------------------------------- the rule
+    def step(self, grads: Mapping[str, torch.Tensor | None]) -> RefStepInfo:
+        self.t += 1
+        hparams = [RefHyperParams.read(group) for group in self.param_groups]
+        self.last_hparams = hparams
+        if self.t <= self.warm_up:
+            for vector in self.device_only:
+                if grads.get(vector.name) is not None:
+                    vector.update(grads[vector.name], hparams[vector.group])
+            for matrix in self.matrices:
+                grad2d = matrix.grad2d(grads.get(matrix.name))
+                if grad2d is not None:
+                    matrix.full_host_update(grad2d, hparams[matrix.group])
+            return RefStepInfo(window_end=True, selected=False, selection_changed=False)
+
+        selected = changed = False
+        if self.t_select is None:
+            changed = self._select(grads)
+            selected = True
+        for vector in self.device_only:
+            if grads.get(vector.name) is not None:
+                vector.update(grads[vector.name], hparams[vector.group])
+        for matrix in self.matrices:
+            grad2d = matrix.grad2d(grads.get(matrix.name))
+            if grad2d is None:
+                continue
+            if matrix.selected.any():
+                matrix.device_update(grad2d, hparams[matrix.group])
+            matrix.accumulate(grad2d)
+        self.steps_in_window += 1
+        window_end = self.steps_in_window == self.interval
+        if window_end:
+            self._close_window(hparams, apply_now=not self.config.overlap_step)
+            if self.refresh_period is not None and self.t - self.t_select >= self.refresh_period:
+                self.sync()
+                changed = self._select(grads)
+                selected = True
+        return RefStepInfo(window_end=window_end, selected=selected, selection_changed=changed)
+
+    def _close_window(self, hparams: list[RefHyperParams], apply_now: bool) -> None:
+        if not apply_now:
+            self.sync()  # the previous window's update reaches the model first
+        computed = {}
+        for matrix in self.matrices:
+            if matrix.host_window_update(hparams[matrix.group]):
+                computed[matrix.name] = matrix.host_master.clone()
+        self.steps_in_window = 0
+        self.pending = computed
+        if apply_now:
+            self.sync()
+
+    def _select(self, grads: Mapping[str, torch.Tensor | None]) -> bool:
+        assert self.pending is None, "migration needs every host update applied"
+        changed = False
+        for matrix in self.matrices:
+            scores = column_scores(matrix.grad2d(grads.get(matrix.name)), matrix.cols, self.config.importance)
+            new_selected = choose_columns(scores, num_columns(matrix.cols, self.ratio))
+            if self.t_select is not None and not torch.equal(new_selected, matrix.selected):
+                changed = True
+            matrix.migrate(new_selected)
+        self.t_select = self.t
+        self.selection_changes += int(changed)
+        return changed
+
+    def sync(self) -> None:
+        """Apply the host update in flight, if any; the open window stays open."""
+        if self.pending is None:
+            return
+        by_name = {matrix.name: matrix for matrix in self.matrices}
+        for name, master in self.pending.items():
+            by_name[name].shown = master
+        self.pending = None
+
+    def flush(self) -> None:
+        """Apply what is in flight, then close the open window early with the last step's hparams, at once."""
+        self.sync()
+        if self.steps_in_window > 0 and self.last_hparams is not None:
+            self._close_window(self.last_hparams, apply_now=True)
+
+    # ----------------------------------------------------------------------------------------- read-outs
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The model weights the rule says the model shows now, in the model dtype and shape."""
+        out = {}
+        for matrix in self.matrices:
+            out[matrix.name] = matrix.merged(matrix.shown, matrix.device_master).to(matrix.dtype)
+        for vector in self.device_only:
+            out[vector.name] = vector.master.to(vector.dtype)
+        return out
+
+    def masters(self) -> dict[str, torch.Tensor]:
+        """The current fp32 master of every parameter (device values for selected columns, host for the rest)."""
+        out = {m.name: m.merged(m.host_master, m.device_master) for m in self.matrices}
+        out.update({v.name: v.master.clone() for v in self.device_only})
+        return out
+
+    def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``(exp_avg, exp_avg_sq)`` of every parameter, merged the same way."""
+        out = {
+            m.name: (m.merged(m.host_exp_avg, m.device_exp_avg), m.merged(m.host_exp_avg_sq, m.device_exp_avg_sq))
+            for m in self.matrices
+        }
+        out.update({v.name: (v.exp_avg.clone(), v.exp_avg_sq.clone()) for v in self.device_only})
+        return out
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """``(device count, host count)`` per parameter; device-only parameters have host count 0."""
+        out = {m.name: (m.device_count, m.host_count) for m in self.matrices}
+        out.update({v.name: (v.count, 0) for v in self.device_only})
+        return out
+
+    def selected_columns(self) -> dict[str, torch.Tensor]:
+        """Ascending int64 indices of each matrix's selected columns."""
+        return {m.name: m.selected.nonzero().flatten() for m in self.matrices}

@@ -1,0 +1,345 @@
+"""Differential tests: the engine equals ``tests/reference.py`` (the update rule of docs/update_rule.md).
+
+Each case drives one ``ZenFlowEngine`` and one ``ReferenceZenFlow`` with the same random gradient stream
+(independent of the weights) and compares, after every step, the weights the model shows; after each
+``flush()`` also the fp32 masters, the merged moments of ``torch_state_dict()``, the per-side counts and
+the selected columns.
+
+Every case has the same model: three param groups with different lr / betas / eps / weight decay, one of
+them Adam (L2 penalty) and two AdamW (decoupled) when the optimizer is ``torch.optim.Adam`` with per-group
+``decoupled_weight_decay``, all AdamW when it is ``torch.optim.AdamW``; 0-D, 1-D, 2-D and 4-D parameters; a
+frozen parameter; parameters whose gradient is None at some steps (a matrix for a whole window, so its host
+update is skipped); a matrix whose gradients are small integers (column scores tie, so tie-breaking
+decides the selection); an lr that changes at every step like a scheduler, and betas / eps / weight decay
+that change once. The step sequence is 7 steps, ``flush()`` (mid-window for S=3), 7 more, ``sync()`` (a host
+update is often in flight then; whether one is in flight is checked against the reference after every step),
+2 more, ``flush()``. Column magnitudes are drawn again at every step, so the selection changes at refreshes
+and migration moves state both ways (asserted).
+
+The grid. One engine per case costs a host-worker spawn and join (2-4 s on a 2-core machine), so the full
+product of all knobs is out of reach. The cases are the full product of the three knobs whose interactions
+shape the schedule, rho x S x overlap (4 x 2 x 2 = 16 cases); the four other knobs are assigned over those
+16 cases by the formulas in ``_grid()`` so that every value of every knob meets every value of every other
+knob at least once (pairwise coverage, checked by ``test_grid_covers_every_pair``):
+    W           0 or 2 warm-up steps;
+    refresh     "step" with select_interval=S, "step" with select_interval=2S+1, "epoch" (steps_per_epoch=4);
+    importance  "l2", "l1";
+    optimizer   torch.optim.Adam with per-group Adam/AdamW mixed, torch.optim.AdamW.
+(Two of the rho=1 cases have W=0 and need no worker at all.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from reference import ReferenceZenFlow, choose_columns, num_columns
+
+from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.engine import ZenFlowEngine
+
+pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
+
+ATOL, RTOL = 1e-6, 1e-5
+
+PARAMS = (  # name, shape, group
+    ("lin.weight", (6, 10), 0),
+    ("lin.bias", (6,), 0),
+    ("conv.weight", (4, 3, 2, 2), 0),
+    ("wide.weight", (2, 30), 0),  # 0.1 * 30 must give 3 columns, not 4; integer gradients: ties
+    ("emb.weight", (5, 8), 1),
+    ("norm.weight", (8,), 1),
+    ("frozen.weight", (3, 4), 1),
+    ("sparse.weight", (4, 7), 2),
+    ("scale", (), 2),
+)
+FROZEN = "frozen.weight"
+TIED = "wide.weight"
+GROUPS = (
+    {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1, "decoupled_weight_decay": True},
+    {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05, "decoupled_weight_decay": False},
+    {"lr": 2e-2, "betas": (0.95, 0.9), "eps": 1e-7, "weight_decay": 0.0, "decoupled_weight_decay": True},
+)
+NO_GRAD_AT = {  # steps at which a parameter's .grad is None
+    "sparse.weight": {3, 8, 9, 10},  # 8..10 is a whole S=3 window (windows restart after the flush at 7)
+    "lin.bias": {2, 6},
+    "emb.weight": {1, 5},  # 1: a matrix without gradient in warm-up (W=2) or at the first selection (W=0)
+}
+STEPS, FLUSH_AFTER, SYNC_AFTER = 16, 7, 14
+STEPS_PER_EPOCH = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    ratio: float
+    interval: int
+    warm_up: int
+    overlap: bool
+    refresh: str  # "S", "2S+1" or "epoch"
+    importance: str
+    optimizer: str  # "adam-mixed" or "adamw"
+
+    @property
+    def id(self) -> str:
+        return (
+            f"rho{self.ratio}-S{self.interval}-W{self.warm_up}-{'overlap' if self.overlap else 'sync'}-"
+            f"refresh{self.refresh}-{self.importance}-{self.optimizer}"
+        )
+
+    def config(self) -> ZenFlowConfig:
+        if self.refresh == "epoch":
+            strategy, select_interval = "epoch", 1
+        else:
+            strategy = "step"
+            select_interval = self.interval if self.refresh == "S" else 2 * self.interval + 1
+        return ZenFlowConfig(
+            topk_ratio=self.ratio,
+            update_interval=self.interval,
+            select_strategy=strategy,
+            select_interval=select_interval,
+            full_warm_up_rounds=self.warm_up,
+            overlap_step=self.overlap,
+            importance=self.importance,
+        )
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return STEPS_PER_EPOCH if self.refresh == "epoch" else None
+
+
+RATIOS, INTERVALS, WARM_UPS, OVERLAPS = (0.0, 0.1, 0.5, 1.0), (1, 3), (0, 2), (False, True)
+REFRESHES, IMPORTANCES, OPTIMIZERS = ("S", "2S+1", "epoch"), ("l2", "l1"), ("adam-mixed", "adamw")
+
+
+def _grid() -> list[Case]:
+    cases = []
+    for r, s, o in itertools.product(range(4), range(2), range(2)):
+        w = (o + r // 2) % 2
+        cases.append(
+            Case(
+                ratio=RATIOS[r],
+                interval=INTERVALS[s],
+                warm_up=WARM_UPS[w],
+                overlap=OVERLAPS[o],
+                refresh=REFRESHES[(r + s + w) % 3],
+                importance=IMPORTANCES[(s + r // 2) % 2],
+                optimizer=OPTIMIZERS[(s + w) % 2],
+            )
+        )
+    return cases
+
+
+GRID = _grid()
+
+
+def test_grid_covers_every_pair() -> None:
+    """Every value of every knob meets every value of every other knob in some case."""
+    knobs = {
+        "ratio": RATIOS,
+        "interval": INTERVALS,
+        "warm_up": WARM_UPS,
+        "overlap": OVERLAPS,
+        "refresh": REFRESHES,
+        "importance": IMPORTANCES,
+        "optimizer": OPTIMIZERS,
+    }
+    for (a, values_a), (b, values_b) in itertools.combinations(knobs.items(), 2):
+        seen = {(getattr(case, a), getattr(case, b)) for case in GRID}
+        assert seen == set(itertools.product(values_a, values_b)), (a, b)
+    # and the three schedule knobs form the full product
+    assert len({(c.ratio, c.interval, c.overlap) for c in GRID}) == len(GRID) == 16
+
+
+# ------------------------------------------------------------------------------------------------ harness
+def _build(optimizer: str, seed: int, dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    params = {}
+    for name, shape, _ in PARAMS:
+        value = torch.randn(shape, generator=generator).to(dtype)
+        params[name] = torch.nn.Parameter(value, requires_grad=name != FROZEN)
+    groups = []
+    for index, hparams in enumerate(GROUPS):
+        group = {"params": [params[name] for name, _, g in PARAMS if g == index], **hparams}
+        if optimizer == "adamw":
+            del group["decoupled_weight_decay"]
+        groups.append(group)
+    opt = torch.optim.Adam(groups) if optimizer == "adam-mixed" else torch.optim.AdamW(groups)
+    return params, opt
+
+
+def _set_hparams(opt: torch.optim.Optimizer, t: int) -> None:
+    """An lr that changes at every step (a scheduler), and betas / eps / weight decay that change once."""
+    for index, group in enumerate(opt.param_groups):
+        group["lr"] = GROUPS[index]["lr"] * (1.0 + 0.5 * math.sin(t))
+    if t == 9:
+        opt.param_groups[0]["weight_decay"] = 0.2
+        opt.param_groups[1]["betas"] = (0.85, 0.98)
+        opt.param_groups[2]["eps"] = 1e-5
+
+
+def _gradients(t: int, generator: torch.Generator, params: dict, dtype: torch.dtype = torch.float32) -> dict:
+    """Random gradients, independent of the weights; fresh column magnitudes at every step."""
+    grads = {}
+    for name, shape, _ in PARAMS:
+        if name == FROZEN:
+            continue
+        if name == TIED:
+            sign = torch.randn(shape, generator=generator).sign()
+            grad = sign * torch.randint(1, 3, shape, generator=generator).float()
+        elif len(shape) >= 2:
+            rows, cols = shape[0], math.prod(shape[1:])
+            column_scale = torch.exp(1.5 * torch.randn(cols, generator=generator))
+            grad = (torch.randn(rows, cols, generator=generator) * column_scale).reshape(shape)
+        else:
+            grad = torch.randn(shape, generator=generator)
+        grads[name] = None if t in NO_GRAD_AT.get(name, ()) else grad.to(dtype)
+    return grads
+
+
+def _assert_weights(params: dict, ref: ReferenceZenFlow, where: str) -> None:
+    for name, expected in ref.weights().items():
+        torch.testing.assert_close(params[name].detach(), expected, atol=ATOL, rtol=RTOL, msg=f"{name} {where}")
+
+
+def _assert_state(engine: ZenFlowEngine, opt: torch.optim.Optimizer, params: dict, ref: ReferenceZenFlow, where: str):
+    saved = engine.state_dict()["params"]
+    masters, counts, selected = ref.masters(), ref.counts(), ref.selected_columns()
+    for name, expected in masters.items():
+        torch.testing.assert_close(saved[name]["master"], expected, atol=ATOL, rtol=RTOL, msg=f"master {name} {where}")
+        assert (saved[name]["device_step"], saved[name]["host_step"]) == counts[name], f"counts {name} {where}"
+        if name in selected:
+            assert torch.equal(saved[name]["selected"], selected[name]), f"selection {name} {where}"
+    torch_state = engine.torch_state_dict()["state"]
+    position_names = {}
+    position = 0
+    for group in opt.param_groups:
+        for param in group["params"]:
+            position_names[position] = next(n for n, p in params.items() if p is param)
+            position += 1
+    moments = ref.moments()
+    assert {position_names[p] for p in torch_state} == set(moments)
+    for position, entry in torch_state.items():
+        name = position_names[position]
+        exp_avg, exp_avg_sq = moments[name]
+        torch.testing.assert_close(entry["exp_avg"], exp_avg, atol=ATOL, rtol=RTOL, msg=f"exp_avg {name} {where}")
+        torch.testing.assert_close(
+            entry["exp_avg_sq"], exp_avg_sq, atol=ATOL, rtol=RTOL, msg=f"exp_avg_sq {name} {where}"
+        )
+
+
+def _run_against_reference(case: Case, seed: int = 0) -> tuple[list, ReferenceZenFlow]:
+    params, opt = _build(case.optimizer, seed)
+    names = {param: name for name, param in params.items()}
+    frozen_before = params[FROZEN].detach().clone()
+    config = case.config()
+    ref = ReferenceZenFlow(opt.param_groups, names, config, steps_per_epoch=case.steps_per_epoch)
+    generator = torch.Generator().manual_seed(seed + 1)
+    history = []
+    with ZenFlowEngine(opt, config, param_names=names, steps_per_epoch=case.steps_per_epoch) as engine:
+        for t in range(1, STEPS + 1):
+            _set_hparams(opt, t)
+            grads = _gradients(t, generator, params)
+            for name, grad in grads.items():
+                params[name].grad = None if grad is None else grad.clone()
+            stats = engine.step()
+            info = ref.step(grads)
+            history.append((stats, info))
+            _assert_weights(params, ref, f"after step {t}")
+            assert stats.window_end == info.window_end, f"window end at step {t}"
+            assert stats.refreshed == info.selected, f"selection at step {t}"
+            assert engine.host_in_flight == bool(ref.pending), f"host update in flight after step {t}"
+            if t == FLUSH_AFTER:
+                assert case.interval == 1 or ref.steps_in_window > 0, "the flush should close a partial window"
+                engine.flush()
+                ref.flush()
+                _assert_weights(params, ref, f"after the flush at step {t}")
+                _assert_state(engine, opt, params, ref, f"after the flush at step {t}")
+            if t == SYNC_AFTER:
+                engine.sync()
+                ref.sync()
+                _assert_weights(params, ref, f"after the sync at step {t}")
+        engine.flush()
+        ref.flush()
+        _assert_weights(params, ref, "after the final flush")
+        _assert_state(engine, opt, params, ref, "after the final flush")
+        assert not engine.host_in_flight
+    assert torch.equal(params[FROZEN], frozen_before), "a frozen parameter changed"
+    return history, ref
+
+
+@pytest.mark.parametrize("case", GRID, ids=[case.id for case in GRID])
+def test_engine_equals_reference(case: Case) -> None:
+    history, ref = _run_against_reference(case)
+    selections = [t for t, (stats, _) in enumerate(history, start=1) if stats.refreshed]
+    assert selections[0] == case.warm_up + 1
+    assert len(selections) >= 2, "the grid must refresh at least once"
+    if 0.0 < case.ratio < 1.0:
+        # migration really moved columns: the engine saw a new selection, and so did the reference
+        overlaps = [stats.selection_overlap for stats, _ in history if stats.selection_overlap is not None]
+        assert min(overlaps) < 1.0
+        assert ref.selection_changes >= 1
+
+
+def test_epoch_selection_without_steps_per_epoch_never_refreshes() -> None:
+    """select_strategy='auto' (= 'epoch', 1) used without steps_per_epoch: one selection at W+1, never again."""
+    params, opt = _build("adamw", seed=5)
+    names = {param: name for name, param in params.items()}
+    config = ZenFlowConfig(topk_ratio=0.5, update_interval=2, full_warm_up_rounds=1, overlap_step=True)
+    ref = ReferenceZenFlow(opt.param_groups, names, config)
+    generator = torch.Generator().manual_seed(6)
+    refreshed = []
+    with ZenFlowEngine(opt, config, param_names=names) as engine:
+        for t in range(1, 10):
+            _set_hparams(opt, t)
+            grads = _gradients(t, generator, params)
+            for name, grad in grads.items():
+                params[name].grad = None if grad is None else grad.clone()
+            refreshed.append(engine.step().refreshed)
+            ref.step(grads)
+            _assert_weights(params, ref, f"after step {t}")
+        engine.flush()
+        ref.flush()
+        _assert_weights(params, ref, "after the flush")
+        _assert_state(engine, opt, params, ref, "after the flush")
+    assert refreshed == [False, True] + [False] * 7
+
+
+# ------------------------------------------------------------------- the reference itself, without the engine
+def test_reference_column_choice() -> None:
+    assert num_columns(30, 0.1) == 3
+    assert [num_columns(7, r) for r in (0.0, 0.01, 0.5, 1.0)] == [0, 1, 4, 7]
+    # ties go to the lower index
+    mask = choose_columns([1.0, 3.0, 1.0, 3.0, 2.0], 3)
+    assert mask.nonzero().flatten().tolist() == [1, 3, 4]
+    assert choose_columns([0.0] * 5, 2).nonzero().flatten().tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "overlap", "optimizer"), [(1.0, True, "adamw"), (0.0, False, "adam-mixed"), (1.0, False, "adam-mixed")]
+)
+def test_reference_degenerate_cases_equal_torch(ratio: float, overlap: bool, optimizer: str) -> None:
+    """The reference is right where torch can tell: rho=1 (any S) and rho=0, S=1, no overlap are torch Adam/AdamW."""
+    params, opt = _build(optimizer, seed=3)
+    names = {param: name for name, param in params.items()}
+    interval = 3 if ratio == 1.0 else 1
+    config = ZenFlowConfig(
+        topk_ratio=ratio, update_interval=interval, overlap_step=overlap, select_strategy="step", select_interval=3
+    )
+    ref = ReferenceZenFlow(opt.param_groups, names, config)
+    generator = torch.Generator().manual_seed(4)
+    for t in range(1, 9):
+        _set_hparams(opt, t)
+        grads = _gradients(t, generator, params)
+        for name, grad in grads.items():
+            params[name].grad = grad
+        opt.step()
+        ref.step(grads)
+        _assert_weights(params, ref, f"after step {t}")
+    moments = ref.moments()
+    for name, param in params.items():
+        if name != FROZEN:
+            torch.testing.assert_close(opt.state[param]["exp_avg"], moments[name][0], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(opt.state[param]["exp_avg_sq"], moments[name][1], atol=ATOL, rtol=RTOL)
