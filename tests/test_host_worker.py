@@ -91,7 +91,8 @@ def test_host_adam_update_equals_torch_on_the_window_mean(optimizer_class, optio
     steps = torch.zeros(len(shapes))
     for param, extent in zip(reference, extents):
         block[0, extent.offset : extent.offset + extent.numel] = param.detach().flatten()
-    job = GroupJob(hparams=hparams, active=(0, 1), grads_in_window=counts)
+    # the accumulator holds the plain sum here (as with S = 1): the divisor of the mean is the count
+    job = GroupJob(hparams=hparams, active=(0, 1), mean_divisors=tuple(float(c) for c in counts))
 
     for window in range(3):
         slot = window % 2
@@ -138,15 +139,15 @@ def test_host_adam_update_leaves_inactive_matrices_alone():
     steps = torch.tensor([2.0, 5.0])
     before = block.clone()
     hparams = HyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
-    host_adam_update(block, steps, extents, 0, GroupJob(hparams=hparams, active=(0,), grads_in_window=(1,)))
+    host_adam_update(block, steps, extents, 0, GroupJob(hparams=hparams, active=(0,), mean_divisors=(1.0,)))
     assert steps.tolist() == [3.0, 5.0]
     assert torch.equal(block[:, 6:], before[:, 6:])  # master, moments and both accumulators of matrix 1
     assert not torch.equal(block[0, :6], before[0, :6])
-    # fp32 model dtype: the staged copy is the master itself
-    assert torch.equal(block[3, :6], block[0, :6])
+    # fp32 model dtype: no staging pass (the upload reads the master), and divisor 1 leaves the accumulator alone
+    assert torch.equal(block[3, :6], before[3, :6])
     # a job with no active matrix is a no-op
     after = block.clone()
-    host_adam_update(block, steps, extents, 1, GroupJob(hparams=hparams, active=(), grads_in_window=()))
+    host_adam_update(block, steps, extents, 1, GroupJob(hparams=hparams, active=(), mean_divisors=()))
     assert torch.equal(block, after)
     assert steps.tolist() == [3.0, 5.0]
 

@@ -112,6 +112,7 @@ class ZenFlowEngine:
         self._last_hparams: list[HyperParams] | None = None
         self._window_grads = [[0] * len(group.matrices) for group in self.layout]
         """Per matrix: gradients accumulated in the open window."""
+        self._window_length = 1
         # telemetry
         self._stall_s = 0.0
         self._step_intervals: list[float] = []
@@ -272,12 +273,22 @@ class ZenFlowEngine:
         else:
             device_s = time.perf_counter() - device_started
         first_in_window = self._steps_in_window == 0
+        if first_in_window:
+            # the window's planned length: each gradient is added pre-scaled by 1/S (see GroupJob.mean_divisors)
+            self._window_length = 1 if warm_up else self._interval
         for group_index, group in enumerate(self.layout):
             for index, slot in enumerate(group.matrices):
                 if slot.param.grad is not None:
                     self._window_grads[group_index][index] += 1
         with torch.profiler.record_function("zenflow.accumulate"):
-            self._submit_transfer(self.transfers.accumulate, payloads, gathered_event, self._slot, first_in_window)
+            self._submit_transfer(
+                self.transfers.accumulate,
+                payloads,
+                gathered_event,
+                self._slot,
+                first_in_window,
+                1.0 / self._window_length,
+            )
         del payloads
         self._steps_in_window += 1
         window_end = warm_up or self._steps_in_window >= self._interval
@@ -357,6 +368,7 @@ class ZenFlowEngine:
     def _worker_submit(self, slot: int, jobs: list[GroupJob]) -> None:
         if self._worker is None:
             raise RuntimeError("internal error: host work was scheduled but no host worker is running.")
+        self.transfers.wait_upload()
         self._worker.submit(slot, jobs)
 
     def _submit_transfer(self, fn: Callable[..., None], *args: object) -> concurrent.futures.Future | None:
@@ -416,9 +428,8 @@ class ZenFlowEngine:
         for group_index, group_states in enumerate(self.device_updater.selected):
             counts = self._window_grads[group_index]
             active = tuple(i for i, state in enumerate(group_states) if state.unselected.numel() > 0 and counts[i] > 0)
-            jobs.append(
-                GroupJob(hparams=hparams[group_index], active=active, grads_in_window=tuple(counts[i] for i in active))
-            )
+            divisors = tuple(counts[i] / self._window_length for i in active)
+            jobs.append(GroupJob(hparams=hparams[group_index], active=active, mean_divisors=divisors))
         return jobs
 
     # ---------------------------------------------------------------------------------------------- selection

@@ -57,8 +57,10 @@ class GroupJob:
     hparams: HyperParams
     active: tuple[int, ...]
     """Indices (within the group) of the matrices that have columns on the host and got gradients."""
-    grads_in_window: tuple[int, ...]
-    """For each active matrix, how many gradients its accumulator holds (the divisor of the mean)."""
+    mean_divisors: tuple[float, ...]
+    """For each active matrix, what turns its accumulator into the window's mean gradient: the accumulator
+    holds sum(g) / S (each gradient added pre-scaled by 1/S, the window's planned length), so the divisor is
+    count / S: exactly 1.0 for a full window, where no extra pass over the accumulator is needed."""
 
 
 @dataclass(frozen=True)
@@ -86,19 +88,20 @@ def host_adam_update(
 ) -> None:
     """One AdamW step on the active matrices of a group with the mean of accumulator ``slot``.
 
-    Then writes each active matrix's new weights, cast to its model dtype, into the bytes of that accumulator
-    (the staging area of the upload). Runs in the worker; also importable for tests.
+    Then writes the new weights of each active matrix whose model dtype is not fp32, cast to that dtype, into
+    the bytes of that accumulator (the staging area of the upload); fp32 weights are uploaded from the master
+    itself. Runs in the worker; also importable for tests.
     """
     if not job.active:
         return
     master, exp_avg, exp_avg_sq, grad_acc = block[0], block[1], block[2], block[3 + slot]
     hp = job.hparams
     fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
-    # one fused call per distinct window count: grad_scale divides the accumulated sum into the window's mean
-    for divisor in sorted(set(job.grads_in_window)):
+    # one fused call per distinct divisor; grad_scale (an extra division per element) only when it is not 1
+    for divisor in sorted(set(job.mean_divisors)):
         params, grads, exp_avgs, exp_avg_sqs, state_steps = [], [], [], [], []
-        for index, count in zip(job.active, job.grads_in_window):
-            if count != divisor:
+        for index, matrix_divisor in zip(job.active, job.mean_divisors):
+            if matrix_divisor != divisor:
                 continue
             extent = extents[index]
             window = slice(extent.offset, extent.offset + extent.numel)
@@ -122,11 +125,13 @@ def host_adam_update(
             eps=hp.eps,
             amsgrad=False,
             maximize=False,
-            grad_scale=torch.tensor(float(divisor)),
+            grad_scale=None if divisor == 1.0 else torch.tensor(float(divisor)),
             found_inf=None,
         )
     for index in job.active:
         extent = extents[index]
+        if extent.dtype == torch.float32:
+            continue
         master_view = master[extent.offset : extent.offset + extent.numel]
         region = grad_acc[extent.offset : extent.offset + extent.numel]
         itemsize = torch.empty((), dtype=extent.dtype).element_size()

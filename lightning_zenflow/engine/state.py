@@ -88,6 +88,7 @@ def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
         "t": engine.t,
         "steps_in_window": engine._steps_in_window,
         "window_grads": [list(c) for c in engine._window_grads],
+        "window_length": engine._window_length,
         "slot": engine._slot,
         "pending_slot": engine._pending_slot,
         "pending_active": [list(a) for a in engine._pending_active] if engine._pending_slot is not None else None,
@@ -193,6 +194,7 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
     engine.t = int(progress["t"])
     engine._steps_in_window = int(progress["steps_in_window"])
     engine._window_grads = [list(map(int, c)) for c in progress["window_grads"]]
+    engine._window_length = int(progress["window_length"])
     engine._slot = slot_index
     engine._last_select_t = progress["last_select_t"]
     engine._selections = int(progress["selections"])
@@ -210,6 +212,8 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
             accumulator = engine.host_buffers[group_index].grad_acc(pending_slot)
             for index in active[group_index]:
                 slot = group.matrices[index]
+                if slot.param.dtype == torch.float32:
+                    continue  # fp32 weights are uploaded from the master itself
                 staged = staging_view(accumulator, slot, slot.param.dtype)
                 staged.copy_(slot.view2d(engine.host_buffers[group_index].master))
         engine._pending_slot = int(pending_slot)

@@ -118,8 +118,10 @@ class Transfers:
         gathered_event: torch.cuda.Event | None,
         slot: int,
         first_in_window: bool,
+        scale: float,
     ) -> None:
-        """Add the payloads into accumulator ``slot`` (zeroed first at a window's first step). Runs in order."""
+        """Add the payloads, times ``scale`` (1/S), into accumulator ``slot`` (zeroed first at a window's first
+        step). Runs in order."""
         if first_in_window:
             if self._upload_event is not None:
                 # this accumulator may still be the source of the last upload: wait until it has been read
@@ -127,16 +129,16 @@ class Transfers:
             for host in self.host_buffers:
                 host.grad_acc(slot).zero_()
         if self.is_cuda:
-            self._accumulate_cuda(payloads, gathered_event, slot)
+            self._accumulate_cuda(payloads, gathered_event, slot, scale)
             return
         for payload in payloads:
             # whole rows: the columns that are on the device accumulate too, into parked slots nobody reads
             # (cheaper than gathering the host's columns: one contiguous add instead of a gather and a scatter)
             acc2d = payload.state.slot.view2d(self.host_buffers[payload.state.slot.group_index].grad_acc(slot))
-            acc2d.add_(payload.columns_device)
+            acc2d.add_(payload.columns_device, alpha=scale)
 
     def _accumulate_cuda(
-        self, payloads: Sequence[GradPayload], gathered_event: torch.cuda.Event | None, slot: int
+        self, payloads: Sequence[GradPayload], gathered_event: torch.cuda.Event | None, slot: int, scale: float
     ) -> None:
         d2h_stream = self.d2h_stream
         with torch.cuda.device(d2h_stream.device):
@@ -161,32 +163,48 @@ class Transfers:
                     self._staging_events[ring].record(d2h_stream)
                 if pending is not None:
                     self._add_staged(*pending)
-                pending = (ring, staging, acc2d[row_start:row_stop], unselected_host)
+                pending = (ring, staging, acc2d[row_start:row_stop], unselected_host, scale)
                 ring ^= 1
         if pending is not None:
             self._add_staged(*pending)
 
-    def _add_staged(self, ring: int, staging: torch.Tensor, acc_rows: torch.Tensor, unselected: torch.Tensor) -> None:
+    def _add_staged(
+        self, ring: int, staging: torch.Tensor, acc_rows: torch.Tensor, unselected: torch.Tensor, scale: float
+    ) -> None:
         # helper-thread wait for this chunk's d2h copy to land in pinned memory; the training thread runs on
         self._staging_events[ring].synchronize()
-        acc_rows.index_add_(1, unselected, staging.float())
+        acc_rows.index_add_(1, unselected, staging.float(), alpha=scale)
 
     def upload(self, slot: int, active: Sequence[Sequence[int]]) -> None:
-        """Copy the staged weights of the active matrices up into the parameters, then restore the
-        selected columns from the device master. Runs on the side stream."""
+        """Copy the new weights of the active matrices up into the parameters, then restore the selected
+        columns from the device master. Runs on the side stream.
+
+        The source is the staged model-dtype copy in accumulator ``slot``, or, for fp32 weights, the host
+        master itself (no staging pass; the next host update waits for this copy, see ``wait_upload``)."""
         with self.device_updater.on_side_stream():
             for group_index, group_states in enumerate(self.device_updater.selected):
                 host = self.host_buffers[group_index]
                 for index in active[group_index]:
                     state = group_states[index]
                     param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
-                    staged = staging_view(host.grad_acc(slot), state.slot, param2d.dtype)
+                    if param2d.dtype == torch.float32:
+                        staged = state.slot.view2d(host.master)
+                    else:
+                        staged = staging_view(host.grad_acc(slot), state.slot, param2d.dtype)
                     param2d.copy_(staged, non_blocking=self.is_cuda)
                     self.h2d_bytes += staged.nbytes
                     self.device_updater.write_selected(state)
             if self._upload_event is not None:
                 self._upload_event.record(self.device_updater.side_stream)
         self.device_updater.end_step()
+
+    def wait_upload(self) -> None:
+        """Block until the last upload has read its host source (CUDA; a no-op on the CPU, where it is a copy).
+
+        The worker's next update rewrites the fp32 master that an upload may still be reading."""
+        if self._upload_event is not None:
+            # host wait on the helper thread, before the worker is told to start
+            self._upload_event.synchronize()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,0 +1,330 @@
+"""Throughput of the engine's host AdamW step against fused torch AdamW and a plain copy, same sizes and threads.
+
+For each size (parameters, split into matrices of ``--chunk`` elements like a model's layers) and thread count:
+
+- ``engine``: ``lightning_zenflow.engine.host.host_adam_update`` called in this process on a flat shared host block, as
+  the host worker runs it (one AdamW step with a full window's accumulator, which already holds the mean since each
+  gradient is added pre-scaled by 1/S; for a bf16 model then the new weights cast to bf16 into the accumulator's
+  bytes, the staging area of the upload; fp32 weights are uploaded from the master and need no staging);
+- ``worker``: the same update through a spawned ``HostWorker`` (its reported compute time, and submit-to-answer wall
+  time, pipe included);
+- ``fused AdamW``: ``torch.optim.AdamW(fused=True).step()`` on fp32 parameters of the same sizes;
+- ``copy``: ``dst.copy_(src)`` of a large fp32 tensor, the machine's copy bandwidth in the same run; and ``add_``:
+  ``dst.add_(src)``, an in-place stream like AdamW's (read both, write ``dst`` back; no write-allocate traffic).
+
+Bytes counted per parameter (what each kernel must move at least once):
+
+- engine: AdamW reads master, accumulated grad, exp_avg, exp_avg_sq (4 x 4 B) and writes master, exp_avg, exp_avg_sq
+  (3 x 4 B) = 28 B; for a bf16 model the staged upload copy reads the master again (4 B) and writes 2 B: 34 B;
+  for an fp32 model there is no staging: 28 B;
+- fused AdamW: 28 B (the same seven fp32 streams, no staging);
+- copy: 8 B per fp32 element (read 4, write 4); add_: 12 B (read 4 + 4, write 4).
+
+The ratio to fused AdamW compares parameters per second (the work a user waits for; the engine also stages the upload),
+target >= 0.9; the fractions of copy and add_ bandwidth compare bytes per second.
+
+    python benchmarks/host_adam.py                     # 1M, 16M, 64M parameters; 1 and 2 threads; bf16 model
+    python benchmarks/host_adam.py --model-dtype fp32  # the same for an fp32 model (no staging pass)
+    python benchmarks/host_adam.py --quick    # smoke run, < 60 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import bench_utils
+import torch
+
+from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec, host_adam_update
+
+DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "host_adam.json"
+TARGET_RATIO = 0.9
+
+HPARAMS = HyperParams(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, one thread count: a < 60 s smoke run.")
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
+    parser.add_argument(
+        "--sizes", type=float, nargs="*", default=None, help="millions of parameters (default 1 16 64; quick 1 4)."
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="*",
+        default=None,
+        help="thread counts (default 1 2, capped at the usable cores; quick 1).",
+    )
+    parser.add_argument("--chunk", type=float, default=4.0, help="millions of parameters per matrix (default 4).")
+    parser.add_argument(
+        "--model-dtype",
+        choices=tuple(DTYPES),
+        default="bf16",
+        help="the model dtype: bf16 (the GPU case) stages a bf16 upload copy; fp32 needs none (default bf16).",
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per measurement (7; quick 3).")
+    parser.add_argument("--copy-mb", type=int, default=None, help="size of the copy test in MB (256; quick 64).")
+    parser.add_argument(
+        "--no-worker",
+        action="store_true",
+        help="skip the spawned-worker measurement (--quick measures it at the smallest size only).",
+    )
+    args = parser.parse_args(argv)
+    usable = len(bench_utils.available_cores())
+    if args.sizes is None:
+        args.sizes = [1, 4] if args.quick else [1, 16, 64]
+    if args.threads is None:
+        args.threads = [1] if args.quick else [t for t in (1, 2) if t <= usable]
+    too_many = [t for t in args.threads if t > usable]
+    if too_many:
+        parser.error(f"--threads {too_many} exceed the {usable} usable cores of this machine.")
+    args.repeats = args.repeats or (3 if args.quick else 7)
+    args.copy_mb = args.copy_mb or (64 if args.quick else 256)
+    return args
+
+
+def time_median(fn: Callable[[], Any], repeats: int, prepare: Callable[[], None] | None = None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after two untimed ones (``prepare()`` untimed before each)."""
+    times = []
+    for index in range(repeats + 2):
+        if prepare is not None:
+            prepare()
+        started = time.perf_counter()
+        fn()
+        if index >= 2:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+class HostProblem:
+    """One size: the engine's shared host block with a job over all its matrices, and fused-AdamW tensors."""
+
+    def __init__(self, numel: int, chunk: int, model_dtype: torch.dtype, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        sizes = [min(chunk, numel - start) for start in range(0, numel, chunk)]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.extents = tuple(MatrixExtent(o, n, model_dtype) for o, n in zip(offsets, sizes))
+        # the engine's layout: [master, exp_avg, exp_avg_sq, grad_acc[0], grad_acc[1]] in one shared block
+        self.block = torch.zeros(5, numel).share_memory_()
+        self.block[0].copy_(torch.randn(numel, generator=generator) * 0.02)
+        self.grad_source = torch.randn(numel, generator=generator) * 1e-3
+        self.steps = torch.zeros(len(sizes)).share_memory_()
+        # a full window: the accumulator already holds the mean, divisor 1 (no grad_scale pass)
+        self.job = GroupJob(hparams=HPARAMS, active=tuple(range(len(sizes))), mean_divisors=(1.0,) * len(sizes))
+        self.numel = numel
+
+    def refill_grads(self) -> None:
+        """Restore the accumulator: the previous update overwrote its bytes with the staged model-dtype weights."""
+        self.block[3].copy_(self.grad_source)
+
+    def engine_step(self) -> None:
+        host_adam_update(self.block, self.steps, self.extents, 0, self.job)
+
+    def fused_adamw(self) -> torch.optim.AdamW:
+        params = []
+        for extent in self.extents:
+            param = self.block[0, extent.offset : extent.offset + extent.numel].clone()
+            param.grad = self.grad_source[extent.offset : extent.offset + extent.numel].clone()
+            params.append(param)
+        return torch.optim.AdamW(
+            params,
+            lr=HPARAMS.lr,
+            betas=(HPARAMS.beta1, HPARAMS.beta2),
+            eps=HPARAMS.eps,
+            weight_decay=HPARAMS.weight_decay,
+            fused=True,
+        )
+
+
+def stream_bandwidth(megabytes: int, threads: int, cores: list[int], repeats: int) -> tuple[float, float]:
+    """GB/s of ``dst.copy_(src)`` (8 B per fp32 element counted) and of ``dst.add_(src)`` (12 B counted) for
+    ``megabytes`` of fp32 on ``threads`` pinned cores."""
+    source = torch.randn(megabytes * 2**20 // 4)
+    destination = torch.zeros_like(source)
+    with bench_utils.pinned(cores[:threads], threads):
+        copy_s = time_median(lambda: destination.copy_(source), repeats)
+        add_s = time_median(lambda: destination.add_(source), repeats)
+    return 2 * source.nbytes / copy_s / 1e9, 3 * source.nbytes / add_s / 1e9
+
+
+def measure_worker(problem: HostProblem, threads: int, cores: list[int], repeats: int) -> tuple[float, float]:
+    """(median compute seconds reported by the worker, median submit-to-answer seconds) over ``repeats`` updates."""
+    spec = WorkerSpec(
+        blocks=(problem.block,),
+        steps=(problem.steps,),
+        extents=(problem.extents,),
+        heartbeat=torch.zeros(1, dtype=torch.float64).share_memory_(),
+        threads=threads,
+        cores=tuple(cores),
+    )
+    worker = HostWorker(spec, timeout_s=60.0)
+    compute, wall = [], []
+    try:
+        for index in range(repeats + 2):
+            problem.refill_grads()
+            started = time.perf_counter()
+            worker.submit(0, [problem.job])
+            seconds = worker.wait()  # pipe wait for the worker's answer: the update has finished
+            if index >= 2:
+                wall.append(time.perf_counter() - started)
+                compute.append(seconds)
+    finally:
+        worker.close()
+    return statistics.median(compute), statistics.median(wall)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    info = bench_utils.machine_info(torch.device("cpu"))
+    model_dtype = DTYPES[args.model_dtype]
+    staged_bytes = 0 if model_dtype == torch.float32 else torch.empty((), dtype=model_dtype).element_size()
+    engine_bytes_per_param = 28 + (4 + staged_bytes if staged_bytes else 0)
+    adamw_bytes_per_param = 28
+    cores = bench_utils.available_cores()
+    chunk = int(args.chunk * 1e6)
+    print("host_adam: the engine's host AdamW step vs fused torch AdamW vs a plain copy, same sizes and threads")
+    print(f"machine: {bench_utils.describe_machine(info)}")
+    print(
+        f"bytes per parameter: engine {engine_bytes_per_param} (AdamW 28 + staged {args.model_dtype} copy "
+        f"{4 + staged_bytes if staged_bytes else 0}), fused AdamW {adamw_bytes_per_param}, "
+        "copy 8 and add_ 12 per fp32 element; matrices of "
+        f"{args.chunk:g}M parameters; median of {args.repeats} repetitions after 2 warm-ups; each thread count "
+        "pinned to that many cores"
+    )
+
+    bandwidth = {threads: stream_bandwidth(args.copy_mb, threads, cores, args.repeats) for threads in args.threads}
+    copy_gbps = {threads: copy for threads, (copy, _) in bandwidth.items()}
+    add_gbps = {threads: add for threads, (_, add) in bandwidth.items()}
+
+    rows, records = [], []
+    for size in args.sizes:
+        numel = int(size * 1e6)
+        problem = HostProblem(numel, chunk, model_dtype)
+        optimizer = problem.fused_adamw()
+        for threads in args.threads:
+            with bench_utils.pinned(cores[:threads], threads):
+                engine_s = time_median(problem.engine_step, args.repeats, prepare=problem.refill_grads)
+                adamw_s = time_median(optimizer.step, args.repeats)
+            worker_compute_s = worker_wall_s = None
+            # --quick spawns one worker only (the smallest size): a spawn costs seconds
+            if not args.no_worker and not (args.quick and size != args.sizes[0]):
+                worker_compute_s, worker_wall_s = measure_worker(problem, threads, cores[:threads], args.repeats)
+            record = {
+                "params": numel,
+                "threads": threads,
+                "engine_s": engine_s,
+                "engine_params_per_s": numel / engine_s,
+                "engine_gb_per_s": numel * engine_bytes_per_param / engine_s / 1e9,
+                "worker_compute_s": worker_compute_s,
+                "worker_wall_s": worker_wall_s,
+                "fused_adamw_s": adamw_s,
+                "fused_adamw_params_per_s": numel / adamw_s,
+                "fused_adamw_gb_per_s": numel * adamw_bytes_per_param / adamw_s / 1e9,
+                "ratio_to_fused_adamw": adamw_s / engine_s,
+                "copy_gb_per_s": copy_gbps[threads],
+            }
+            record["engine_fraction_of_copy_bandwidth"] = record["engine_gb_per_s"] / copy_gbps[threads]
+            record["fused_adamw_fraction_of_copy_bandwidth"] = record["fused_adamw_gb_per_s"] / copy_gbps[threads]
+            record["add_gb_per_s"] = add_gbps[threads]
+            record["engine_fraction_of_add_bandwidth"] = record["engine_gb_per_s"] / add_gbps[threads]
+            if worker_compute_s is not None:
+                record["worker_ratio_to_fused_adamw"] = adamw_s / worker_compute_s
+            records.append(record)
+            rows.append(
+                [
+                    f"{size:g}M",
+                    threads,
+                    engine_s * 1e3,
+                    record["engine_params_per_s"] / 1e6,
+                    record["engine_gb_per_s"],
+                    None if worker_compute_s is None else worker_compute_s * 1e3,
+                    None if worker_wall_s is None else worker_wall_s * 1e3,
+                    adamw_s * 1e3,
+                    record["fused_adamw_gb_per_s"],
+                    record["ratio_to_fused_adamw"],
+                    copy_gbps[threads],
+                    record["engine_fraction_of_copy_bandwidth"],
+                    add_gbps[threads],
+                    record["engine_fraction_of_add_bandwidth"],
+                ]
+            )
+            print(
+                f"  {size:g}M params, {threads} thread(s): engine {engine_s * 1e3:.1f} ms, fused AdamW "
+                f"{adamw_s * 1e3:.1f} ms",
+                flush=True,
+            )
+        del problem, optimizer
+        gc.collect()
+
+    print("\nHost AdamW throughput")
+    print(
+        bench_utils.format_table(
+            [
+                "size",
+                "threads",
+                "engine ms",
+                "engine Mparam/s",
+                "engine GB/s",
+                "worker ms",
+                "worker wall ms",
+                "AdamW ms",
+                "AdamW GB/s",
+                "engine/AdamW",
+                "copy GB/s",
+                "engine/copy",
+                "add_ GB/s",
+                "engine/add_",
+            ],
+            rows,
+        )
+    )
+    worst = min(r["ratio_to_fused_adamw"] for r in records)
+    print(
+        f"\nengine/AdamW = fused AdamW time / engine time (parameters per second), target >= {TARGET_RATIO}: "
+        f"lowest {worst:.2f} -> {'met' if worst >= TARGET_RATIO else 'NOT met'} over every size and thread count. "
+        "engine/copy, engine/add_ = engine GB/s / copy or add_ GB/s (same thread count). worker ms = compute time "
+        "the worker reports; worker wall ms = submit to answer, pipe included."
+    )
+    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    payload = {
+        "benchmark": "host_adam",
+        "command": bench_utils.command_line(),
+        "machine": info,
+        "model_dtype": args.model_dtype,
+        "bytes_per_param": {
+            "engine": engine_bytes_per_param,
+            "fused_adamw": adamw_bytes_per_param,
+            "copy": 8,
+            "add_": 12,
+        },
+        "bytes_note": "engine: AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq "
+        "(28 B), then for a non-fp32 model the staged upload copy reads the master (4 B) and writes the model dtype; "
+        "fused AdamW: 28 B; copy: read + write of fp32 (8 B); add_: two reads and a write (12 B).",
+        "chunk_params": chunk,
+        "repeats": args.repeats,
+        "copy_bytes": args.copy_mb * 2**20,
+        "copy_gb_per_s": {str(t): v for t, v in copy_gbps.items()},
+        "add_gb_per_s": {str(t): v for t, v in add_gbps.items()},
+        "results": records,
+        "target_ratio_to_fused_adamw": TARGET_RATIO,
+        "lowest_ratio_to_fused_adamw": worst,
+        "target_met": worst >= TARGET_RATIO,
+    }
+    bench_utils.write_json(args.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
