@@ -194,15 +194,18 @@ def test_host_bytes_per_matrix_parameter_for_a_one_million_parameter_model():
             stats.append(engine.step())
         host_bytes = engine.host_bytes()
         device_bytes = engine.device_bytes()
+        reuse_buffers = engine.device_updater.reuse_buffers
     assert host_bytes / n_matrix <= HOST_BYTES_PER_ELEMENT + 0.001
     assert host_bytes <= HOST_BYTES_PER_ELEMENT * n_matrix + 4096
     assert host_bytes >= HOST_BYTES_PER_ELEMENT * n_matrix
     assert all(s.host_bytes == host_bytes for s in stats)
     # device: about ρ·12 B per matrix element (fp32 master + two moments of the k selected columns), plus the
-    # bias's state and the column indices; far below the host's 20 B per element
+    # bias's state and the column indices; far below the host's 20 B per element. On the CPU the updater also
+    # keeps a reused fp32 work buffer per updated tensor (ρ·4 B more), which CUDA's caching allocator makes moot.
     k = num_selected_columns(1024, 0.1)
     assert k == 103
-    assert 12 * 1024 * k <= device_bytes <= 12 * 1024 * k + 12 * 1024 + 8 * 1024
+    per_element = 16 if reuse_buffers else 12
+    assert per_element * 1024 * k <= device_bytes <= per_element * 1024 * k + per_element * 1024 + 8 * 1024
     assert all(s.device_bytes == device_bytes for s in stats)
 
 
@@ -216,10 +219,11 @@ def test_device_bytes_count_an_fp32_bias_as_its_own_master():
         layer.bias.grad = torch.ones_like(layer.bias)
         engine.step()
         device_bytes = engine.device_bytes()
+        work_buffers = 4 * (8 + 2) if engine.device_updater.reuse_buffers else 0  # CPU: reused fp32 work buffers
     weight_state = 3 * 4 * 8  # fp32 master, exp_avg, exp_avg_sq of the 8 weight elements
     indices = 8 * 4  # int64 selected column indices (4), no unselected ones
     bias_state = 2 * 4 * 2  # exp_avg and exp_avg_sq of the 2 bias elements; the fp32 bias is its own master
-    assert device_bytes == weight_state + indices + bias_state
+    assert device_bytes == weight_state + indices + bias_state + work_buffers
 
 
 # -------------------------------------------------------------------------------------------------- selection

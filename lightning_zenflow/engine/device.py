@@ -51,10 +51,13 @@ def adam_update_(
     exp_avg_sqs: list[torch.Tensor],
     steps: Sequence[int],
     hp: HyperParams,
+    work: list[torch.Tensor] | None = None,
 ) -> None:
     """One Adam/AdamW step, in place, on fp32 tensors; ``steps`` are the counts *after* this update.
 
     The arithmetic is torch's multi-tensor AdamW (non-capturable), so it matches ``torch.optim.AdamW``.
+    ``work``: optional buffers shaped like ``masters`` for the denominators (they may be the gradients
+    themselves, which are consumed by then), so nothing is allocated.
     """
     if not masters:
         return
@@ -68,7 +71,12 @@ def adam_update_(
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - hp.beta2)
     step_sizes = [-hp.lr / (1.0 - hp.beta1**step) for step in steps]
     bias_correction2_sqrt = [math.sqrt(1.0 - hp.beta2**step) for step in steps]
-    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    if work is None:
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+    else:
+        torch._foreach_copy_(work, exp_avg_sqs)
+        torch._foreach_sqrt_(work)
+        denominators = work
     torch._foreach_div_(denominators, bias_correction2_sqrt)
     torch._foreach_add_(denominators, hp.eps)
     torch._foreach_addcdiv_(masters, exp_avgs, denominators, step_sizes)
@@ -83,6 +91,8 @@ class DeviceOnlyState:
     step: int = 0
     separate_master: bool = True
     """False when the parameter is fp32 and is its own master (no copy, no write-back)."""
+    scratch: torch.Tensor | None = None
+    """CPU only: a reused fp32 work buffer (see ``DeviceUpdater.reuse_buffers``)."""
 
 
 @dataclass
@@ -100,6 +110,8 @@ class SelectedState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
+    scratch: torch.Tensor | None = None
+    """CPU only: the reused ``[rows, k]`` fp32 buffer the selected gradient is gathered into."""
 
     @property
     def k(self) -> int:
@@ -113,6 +125,10 @@ class DeviceUpdater:
         self.layout = layout
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.reuse_buffers = not self.is_cuda
+        """On the CPU a fresh large tensor costs page faults at every step, so the gathered gradients and the
+        denominators live in persistent buffers (rho x 4 B per matrix element more); CUDA's caching allocator
+        makes the per-step temporaries free."""
         # created here, not in the strategy's __init__: strategies get pickled and must not touch CUDA
         self.side_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.update_done_event = torch.cuda.Event() if self.is_cuda else None
@@ -183,7 +199,7 @@ class DeviceUpdater:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record(self.side_stream)
         for group_index, hp in enumerate(hparams):
-            masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            masters, grads, exp_avgs, exp_avg_sqs, steps, work = [], [], [], [], [], []
             for state in self.device_only[group_index]:
                 if state.param.grad is None:
                     continue
@@ -197,6 +213,10 @@ class DeviceUpdater:
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
                 steps.append(state.step)
+                if self.reuse_buffers:
+                    if state.scratch is None:
+                        state.scratch = torch.empty_like(state.master)
+                    work.append(state.scratch)
             selected_states = []
             for state in self.selected[group_index]:
                 if state.k == 0 or state.slot.param.grad is None:
@@ -206,12 +226,14 @@ class DeviceUpdater:
                     grad.record_stream(self.side_stream)
                 state.step += 1
                 masters.append(state.master)
-                grads.append(grad.view(state.slot.rows, state.slot.cols).index_select(1, state.selected).float())
+                grads.append(self._gather_selected(state, grad.view(state.slot.rows, state.slot.cols)))
+                if self.reuse_buffers:
+                    work.append(state.scratch)  # the gradient is consumed before the denominators are made
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
                 steps.append(state.step)
                 selected_states.append(state)
-            adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp)
+            adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp, work if self.reuse_buffers else None)
             for state in self.device_only[group_index]:
                 if state.separate_master:
                     state.param.data.copy_(state.master)
@@ -220,6 +242,18 @@ class DeviceUpdater:
         if self.side_stream is not None:
             timing[1].record(self.side_stream)
             self._timing_events.append(timing)
+
+    def _gather_selected(self, state: SelectedState, grad2d: torch.Tensor) -> torch.Tensor:
+        """The selected columns of a gradient, in fp32."""
+        if not self.reuse_buffers:
+            return grad2d.index_select(1, state.selected).float()
+        if state.scratch is None or state.scratch.shape != state.master.shape:
+            state.scratch = torch.empty_like(state.master)
+        if grad2d.dtype == torch.float32:
+            torch.index_select(grad2d, 1, state.selected, out=state.scratch)
+        else:
+            state.scratch.copy_(grad2d.index_select(1, state.selected))
+        return state.scratch
 
     def finished_update_seconds(self) -> float | None:
         """Duration of the newest device update that has finished (CUDA events, queried without waiting)."""
@@ -250,7 +284,9 @@ class DeviceUpdater:
         for group_states in self.device_only:
             for state in group_states:
                 total += state.exp_avg.nbytes * (3 if state.separate_master else 2)
+                total += state.scratch.nbytes if state.scratch is not None else 0
         for group_states in self.selected:
             for state in group_states:
                 total += state.master.nbytes * 3 + state.selected.nbytes + state.unselected.nbytes
+                total += state.scratch.nbytes if state.scratch is not None else 0
         return total

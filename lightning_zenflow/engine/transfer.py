@@ -122,20 +122,30 @@ class Transfers:
     ) -> None:
         """Add the payloads, times ``scale`` (1/S), into accumulator ``slot`` (zeroed first at a window's first
         step). Runs in order."""
-        if first_in_window:
-            if self._upload_event is not None:
+        if self.is_cuda:
+            if first_in_window:
                 # this accumulator may still be the source of the last upload: wait until it has been read
                 self._upload_event.synchronize()
-            for host in self.host_buffers:
-                host.grad_acc(slot).zero_()
-        if self.is_cuda:
+                for host in self.host_buffers:
+                    host.grad_acc(slot).zero_()
             self._accumulate_cuda(payloads, gathered_event, slot, scale)
             return
+        covered = set()
         for payload in payloads:
             # whole rows: the columns that are on the device accumulate too, into parked slots nobody reads
             # (cheaper than gathering the host's columns: one contiguous add instead of a gather and a scatter)
-            acc2d = payload.state.slot.view2d(self.host_buffers[payload.state.slot.group_index].grad_acc(slot))
-            acc2d.add_(payload.columns_device, alpha=scale)
+            slot_of_matrix = payload.state.slot
+            acc2d = slot_of_matrix.view2d(self.host_buffers[slot_of_matrix.group_index].grad_acc(slot))
+            if first_in_window:
+                torch.mul(payload.columns_device, scale, out=acc2d)  # the window's first step overwrites
+                covered.add((slot_of_matrix.group_index, slot_of_matrix.index_in_group))
+            else:
+                acc2d.add_(payload.columns_device, alpha=scale)
+        if first_in_window:
+            for group_states in self.device_updater.selected:
+                for state in group_states:
+                    if (state.slot.group_index, state.slot.index_in_group) not in covered:
+                        state.slot.view2d(self.host_buffers[state.slot.group_index].grad_acc(slot)).zero_()
 
     def _accumulate_cuda(
         self, payloads: Sequence[GradPayload], gathered_event: torch.cuda.Event | None, slot: int, scale: float
