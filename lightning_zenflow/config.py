@@ -64,8 +64,9 @@ class ZenFlowConfig:
     """Pin the training process and the host worker to disjoint cores and set their thread counts (restored at
     teardown). Off: the worker still uses ``host_threads`` threads but nobody is pinned."""
 
-    worker_timeout_s: float = 30.0
-    """A host worker that dies, or stops its heartbeat for this long, fails the run with a clear error."""
+    worker_timeout_s: float = 10.0
+    """A host worker that stops its heartbeat (frozen, stopped) for this long fails the run with a clear error; one
+    that dies or raises fails it at once."""
 
     log_telemetry: bool = True
     """Log ``zenflow/*`` metrics through the Trainer's loggers and show the stall share in the progress bar."""

@@ -72,7 +72,7 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         host_threads: int | None = None,
         pt_reserved_cores_perc: float = 0.5,
         bind_cores: bool = True,
-        worker_timeout_s: float = 30.0,
+        worker_timeout_s: float = 10.0,
         log_telemetry: bool = True,
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
