@@ -233,12 +233,7 @@ def plot(results: dict[str, dict[str, Any]], path: pathlib.Path, title: str) -> 
         axes.plot(results[run]["eval_steps"], results[run]["eval_loss"], style, label=run, markersize=4)
     axes.set_xlabel("fine-tuning step")
     axes.set_ylabel("held-out loss (nats per byte)")
-    axes.set_title(title, fontsize=9)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    print(f"wrote {path}")
+    bench_utils.save_figure(plt, figure, axes, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,6 +182,16 @@ def matplotlib_pyplot() -> Any | None:
     return plt
 
 
+def save_figure(plt: Any, figure: Any, axes: Any, path: pathlib.Path, title: str) -> None:
+    """Title, legend, tight layout, write the PNG, close the figure, say where it went."""
+    axes.set_title(title, fontsize=9)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
 def command_line() -> str:
     """The command that produced this run, for the JSON."""
     return " ".join([pathlib.Path(sys.executable).name, *sys.argv])
