@@ -26,7 +26,7 @@ def test_defaults():
     assert config.host_threads is None
     assert config.pt_reserved_cores_perc == 0.5
     assert config.bind_cores is True
-    assert config.worker_timeout_s == 30.0
+    assert config.worker_timeout_s == 10.0
     assert set(config.sync_on) <= set(SYNC_BOUNDARIES)
 
 
