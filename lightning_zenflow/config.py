@@ -45,6 +45,12 @@ class ZenFlowConfig:
     """Run the host update asynchronously, overlapped with the next window of device steps (its result lands
     one window later). ``False`` applies it at the window end it was computed for (the device waits)."""
 
+    accumulate_on: Literal["auto", "device", "host"] = "auto"
+    """Where the window's unselected gradient columns are summed. ``"device"``: an fp32 accumulator on the
+    device, copied down once per window (least link traffic, no model-sized host work per step). ``"host"``:
+    copied down every step and added on the host (least device memory). Same numbers either way. ``"auto"``
+    picks ``"device"`` when its buffers fit in the device memory free after the first step, else ``"host"``."""
+
     importance: Literal["l2", "l1"] = "l2"
     """Column score used for selection: squared L2 norm of the column's gradient (the paper) or its L1 sum."""
 
@@ -118,6 +124,11 @@ class ZenFlowConfig:
             raise ValueError(f"full_warm_up_rounds={self.full_warm_up_rounds} must be >= 0 (0 turns warm-up off).")
         if not isinstance(self.overlap_step, bool):
             raise TypeError(f"overlap_step must be True or False, got {self.overlap_step!r}.")
+        if self.accumulate_on not in ("auto", "device", "host"):
+            raise ValueError(
+                f"accumulate_on={self.accumulate_on!r} is not one of 'auto', 'device', 'host'. Use 'device' (fastest, "
+                "an fp32 accumulator on the device), 'host' (least device memory) or 'auto' (device when it fits)."
+            )
         if self.importance not in ("l2", "l1"):
             raise ValueError(f"importance={self.importance!r} is not one of 'l2' (squared L2 norm) or 'l1'.")
         unknown = [b for b in self.sync_on if b not in SYNC_BOUNDARIES]

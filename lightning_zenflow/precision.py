@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 if TYPE_CHECKING:
@@ -109,7 +110,11 @@ class ZenFlowPrecision(Precision):
             scaler.update()
             if skip:
                 return closure_result
+        announce = self.engine.accumulate_on is None
         self.engine.step()
+        if announce:
+            # the first step decides where gradients accumulate ("auto" measures the free device memory then)
+            rank_zero_info(f"ZenFlow: {self.engine.accumulate_on_reason}.")
         return closure_result
 
     @override

@@ -43,6 +43,7 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         select_interval: refresh period in the unit of ``select_strategy``, or ``"auto"``.
         full_warm_up_rounds: first steps run as plain synchronous AdamW.
         overlap_step: run the host update in the background (its result lands one window later).
+        accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
         sync_on: boundaries at which host work in flight is applied: ``"validation"``, ``"epoch_end"``,
             ``"checkpoint"``.
@@ -67,6 +68,7 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         select_interval: int | Literal["auto"] = "auto",
         full_warm_up_rounds: int = 0,
         overlap_step: bool = True,
+        accumulate_on: Literal["auto", "device", "host"] = "auto",
         importance: Literal["l2", "l1"] = "l2",
         sync_on: tuple[str, ...] | list[str] = ("validation", "checkpoint"),
         host_threads: int | None = None,
@@ -87,6 +89,7 @@ class ZenFlowStrategy(SingleDeviceStrategy):
             select_interval=select_interval,
             full_warm_up_rounds=full_warm_up_rounds,
             overlap_step=overlap_step,
+            accumulate_on=accumulate_on,
             importance=importance,
             sync_on=tuple(sync_on),
             host_threads=host_threads,
@@ -303,7 +306,7 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         self.engine = None
         self.precision_plugin.engine = None
         try:
-            if cache_state and not engine._closed:
+            if cache_state and not engine.closed:
                 # trainer.save_checkpoint() after fit must still find the optimizer state
                 self._final_state = (engine.torch_state_dict(), engine.state_dict(include_moments=False))
         finally:

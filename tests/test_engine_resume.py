@@ -138,9 +138,9 @@ def uninterrupted() -> Uninterrupted:
 def test_snapshots_are_where_they_should_be(uninterrupted: Uninterrupted) -> None:
     progress = {t: state["progress"] for t, (state, _) in uninterrupted.snapshots.items()}
     assert progress[1]["last_select_t"] is None  # warm-up
-    assert (progress[5]["steps_in_window"], progress[5]["pending_slot"] is not None) == (1, True)
-    assert (progress[6]["steps_in_window"], progress[6]["pending_slot"] is not None) == (0, True)
-    assert (progress[9]["steps_in_window"], progress[9]["pending_slot"] is not None) == (1, False)
+    assert (progress[5]["steps_in_window"], progress[5]["pending"] is not None) == (1, True)
+    assert (progress[6]["steps_in_window"], progress[6]["pending"] is not None) == (0, True)
+    assert (progress[9]["steps_in_window"], progress[9]["pending"] is not None) == (1, False)
     assert progress[9]["last_select_t"] == 8  # the refresh at step 8 happened
     for t in (5, 6):
         in_flight, waited_s, still_in_flight, unchanged, _ = uninterrupted.in_flight_checks[t]
@@ -162,7 +162,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(uninterrupted: Uninterrupted, s
     record: dict = {}
     with ZenFlowEngine(opt, CONFIG, param_names=names) as engine:
         engine.load_state_dict(copy.deepcopy(state))
-        assert engine.host_in_flight == (state["progress"]["pending_slot"] is not None)
+        assert engine.host_in_flight == (state["progress"]["pending"] is not None)
         refreshed_at = []
         for t in range(snapshot_step + 1, STEPS + 1):
             if _train_step(engine, model, opt, t).refreshed:

@@ -180,11 +180,12 @@ def test_staging_view_round_trip(dtype):
     assert torch.equal(slot_second.view2d(host.master), second.detach())
 
 
-def test_host_bytes_per_matrix_parameter_for_a_one_million_parameter_model():
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_host_and_device_bytes_per_matrix_parameter_for_a_one_million_parameter_model(accumulate_on):
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = ZenFlowConfig(topk_ratio=0.1, update_interval=2)
+    config = ZenFlowConfig(topk_ratio=0.1, update_interval=2, accumulate_on=accumulate_on)
     n_matrix = model.weight.numel()
     with ZenFlowEngine(optimizer, config, param_names={p: n for n, p in model.named_parameters()}) as engine:
         stats = []
@@ -194,32 +195,35 @@ def test_host_bytes_per_matrix_parameter_for_a_one_million_parameter_model():
             stats.append(engine.step())
         host_bytes = engine.host_bytes()
         device_bytes = engine.device_bytes()
-        reuse_buffers = engine.device_updater.reuse_buffers
-    assert host_bytes / n_matrix <= HOST_BYTES_PER_ELEMENT + 0.001
-    assert host_bytes <= HOST_BYTES_PER_ELEMENT * n_matrix + 4096
-    assert host_bytes >= HOST_BYTES_PER_ELEMENT * n_matrix
+    # host: 20 B per matrix element (master, two moments, two accumulators), the matrix's 1024 host-bound column
+    # indices for the worker (8 B each) and one fp32 step count; host mode adds its two pinned staging slots,
+    # each no larger than the largest gradient (4 MiB here), and the helper's 4 MiB fp32 conversion buffer
+    staging = 2 * n_matrix * 4 + 4 * (1 << 20) if accumulate_on == "host" else 0  # + the fp32 conversion buffer
+    assert host_bytes == HOST_BYTES_PER_ELEMENT * n_matrix + 8 * 1024 + 4 + staging
     assert all(s.host_bytes == host_bytes for s in stats)
-    # device: about ρ·12 B per matrix element (fp32 master + two moments of the k selected columns), plus the
-    # bias's state and the column indices; far below the host's 20 B per element. On the CPU the updater also
-    # keeps a reused fp32 work buffer per updated tensor (ρ·4 B more), which CUDA's caching allocator makes moot.
+    # device: rho x 16 B per matrix element (fp32 master, two moments and a reused gradient buffer of the k
+    # selected columns), the column indices, the bias's two moments and work buffer; then per mode: an fp32
+    # accumulator and an fp32 upload buffer of the whole matrix (device), or the two staging slots (host)
     k = num_selected_columns(1024, 0.1)
     assert k == 103
-    per_element = 16 if reuse_buffers else 12
-    assert per_element * 1024 * k <= device_bytes <= per_element * 1024 * k + per_element * 1024 + 8 * 1024
+    selected_state = 16 * 1024 * k + 8 * 1024
+    bias_state = 3 * 4 * 1024
+    mode_bytes = 8 * n_matrix if accumulate_on == "device" else 2 * 4 * n_matrix
+    assert device_bytes == selected_state + bias_state + mode_bytes
     assert all(s.device_bytes == device_bytes for s in stats)
 
 
 def test_device_bytes_count_an_fp32_bias_as_its_own_master():
     layer = torch.nn.Linear(4, 2)  # weight [2, 4], bias [2], both fp32
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    # topk_ratio=1: every column on the device, no host worker is started
+    # topk_ratio=1: every column on the device, no host worker is started, no accumulator is needed
     with ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=1.0)) as engine:
         assert engine.worker_pid is None
         layer.weight.grad = torch.ones_like(layer.weight)
         layer.bias.grad = torch.ones_like(layer.bias)
         engine.step()
         device_bytes = engine.device_bytes()
-        work_buffers = 4 * (8 + 2) if engine.device_updater.reuse_buffers else 0  # CPU: reused fp32 work buffers
+    work_buffers = 4 * (8 + 2)  # reused fp32 work buffers: the selected gradient, the bias's denominators
     weight_state = 3 * 4 * 8  # fp32 master, exp_avg, exp_avg_sq of the 8 weight elements
     indices = 8 * 4  # int64 selected column indices (4), no unselected ones
     bias_state = 2 * 4 * 2  # exp_avg and exp_avg_sq of the 2 bias elements; the fp32 bias is its own master

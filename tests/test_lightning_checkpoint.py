@@ -158,7 +158,7 @@ def test_zenflow_resumes_exactly_mid_window_with_host_work_pending(tmp_path: pat
     progress = checkpoint["zenflow"]["progress"]
     assert checkpoint["global_step"] == 10
     assert progress["steps_in_window"] == 2, "the checkpoint must fall inside a window"
-    assert progress["pending_slot"] is not None, "a computed host update must be waiting to be applied"
+    assert progress["pending"] is not None, "a computed host update must be waiting to be applied"
     resumed = _run(MID_WINDOW, {"samples": 20}, tmp_path / "b", ckpt_path=uninterrupted.checkpoints[1])
     assert resumed.trainer.global_step == 20
     assert_weights_equal(weights(resumed.module), weights(uninterrupted.module))

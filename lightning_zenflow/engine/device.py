@@ -2,21 +2,21 @@
 
 Whatever the model dtype, the device keeps an fp32 master copy of what it updates, fp32 moments and Python
 integer step counts (a bf16 model must not lose small updates to rounding, and a bf16 step counter stops
-at 256). On CUDA the update runs on a side stream ordered with events, so the training thread never
-waits for it on the host; on the CPU it runs inline.
+at 256). The update is issued on the side stream (CUDA; inline on the CPU), ordered with events, so the
+training thread never waits for it on the host.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lightning_zenflow.engine.layout import GroupLayout, MatrixSlot
+from lightning_zenflow.engine.streams import Lanes
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class DeviceOnlyState:
     separate_master: bool = True
     """False when the parameter is fp32 and is its own master (no copy, no write-back)."""
     scratch: torch.Tensor | None = None
-    """CPU only: a reused fp32 work buffer (see ``DeviceUpdater.reuse_buffers``)."""
+    """A reused fp32 work buffer for the denominators (no allocation per step)."""
 
 
 @dataclass
@@ -103,15 +103,16 @@ class SelectedState:
     selected: torch.Tensor
     """Selected column indices (ascending, int64, on the device)."""
     unselected: torch.Tensor
-    unselected_host: torch.Tensor
-    """The same indices on the CPU (the host add of the accumulation uses them)."""
+    """The other columns (ascending, int64, on the device): the host-bound gradient columns."""
+    selected_host: torch.Tensor
+    """``selected`` on the CPU (refreshes and checkpoints read it without a device sync)."""
     master: torch.Tensor
     """``[rows, k]`` fp32."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
     scratch: torch.Tensor | None = None
-    """CPU only: the reused ``[rows, k]`` fp32 buffer the selected gradient is gathered into."""
+    """The reused ``[rows, k]`` fp32 buffer the selected gradient is gathered into."""
 
     @property
     def k(self) -> int:
@@ -121,17 +122,12 @@ class SelectedState:
 class DeviceUpdater:
     """Owns the device-side optimizer state and applies the per-step device update."""
 
-    def __init__(self, layout: Sequence[GroupLayout], device: torch.device) -> None:
+    def __init__(self, layout: Sequence[GroupLayout], lanes: Lanes) -> None:
         self.layout = layout
-        self.device = device
-        self.is_cuda = device.type == "cuda"
-        self.reuse_buffers = not self.is_cuda
-        """On the CPU a fresh large tensor costs page faults at every step, so the gathered gradients and the
-        denominators live in persistent buffers (rho x 4 B per matrix element more); CUDA's caching allocator
-        makes the per-step temporaries free."""
-        # created here, not in the strategy's __init__: strategies get pickled and must not touch CUDA
-        self.side_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        self.update_done_event = torch.cuda.Event() if self.is_cuda else None
+        self.lanes = lanes
+        self.device = lanes.device
+        self.update_done = lanes.event()
+        """Recorded on the side stream after each step's device work (update and accumulation)."""
         self._timing_events: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
         self.device_only: list[list[DeviceOnlyState]] = []
         for group in layout:
@@ -148,105 +144,91 @@ class DeviceUpdater:
                         exp_avg=torch.zeros_like(master),
                         exp_avg_sq=torch.zeros_like(master),
                         separate_master=separate_master,
+                        scratch=torch.empty_like(master),
                     )
                 )
             self.device_only.append(states)
         self.selected: list[list[SelectedState]] = [
-            [self._empty_selection(slot) for slot in group.matrices] for group in layout
+            [self.empty_selection(slot) for slot in group.matrices] for group in layout
         ]
 
-    def _empty_selection(self, slot: MatrixSlot) -> SelectedState:
+    def empty_selection(self, slot: MatrixSlot, step: int = 0) -> SelectedState:
         empty = torch.empty(slot.rows, 0, dtype=torch.float32, device=self.device)
         return SelectedState(
             slot=slot,
             selected=torch.empty(0, dtype=torch.long, device=self.device),
             unselected=torch.arange(slot.cols, device=self.device),
-            unselected_host=torch.arange(slot.cols),
+            selected_host=torch.empty(0, dtype=torch.long),
             master=empty,
             exp_avg=empty.clone(),
             exp_avg_sq=empty.clone(),
+            step=step,
         )
 
-    @contextlib.contextmanager
-    def on_side_stream(self) -> Iterator[None]:
-        """Run the enclosed work on the side stream (CUDA) or inline (CPU)."""
-        if self.side_stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.side_stream):
-            yield
+    def matrix_states(self) -> list[SelectedState]:
+        return [state for group_states in self.selected for state in group_states]
 
     def begin_step(self) -> None:
         """Order the side stream after the gradients: a GPU-side wait for backward and clipping, no host sync."""
-        if self.side_stream is not None:
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.lanes.wait_compute(self.lanes.side)
 
     def end_step(self) -> None:
-        if self.side_stream is not None:
-            self.update_done_event.record(self.side_stream)
-
-    def wait_for_update(self) -> None:
-        """Make the compute stream wait (GPU-side) until the last device update has written the weights."""
-        if self.side_stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.update_done_event)
+        """Mark the end of this step's side-stream work; the compute stream waits for it (GPU-side) before the
+        next forward reads the weights or ``zero_grad`` touches the gradients the side stream reads."""
+        self.update_done.record(self.lanes.side)
+        self.lanes.compute_waits(self.update_done)
 
     def update(self, hparams: Sequence[HyperParams]) -> None:
         """One device step for every group: device-only parameters and the selected columns of matrices.
 
-        Reads ``param.grad``; must run inside ``on_side_stream``.
+        Reads ``param.grad``; issue inside ``lanes.on(lanes.side)``.
         """
-        if self.side_stream is not None:
+        side = self.lanes.side
+        if side is not None:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            timing[0].record(self.side_stream)
+            timing[0].record(side)
         for group_index, hp in enumerate(hparams):
             masters, grads, exp_avgs, exp_avg_sqs, steps, work = [], [], [], [], [], []
             for state in self.device_only[group_index]:
                 if state.param.grad is None:
                     continue
                 grad = state.param.grad
-                if self.side_stream is not None:
-                    # the gradient was made on the compute stream and may be freed there by zero_grad
-                    grad.record_stream(self.side_stream)
+                # made on the compute stream, read on the side stream: keep it alive past zero_grad
+                self.lanes.keep_for(grad, side)
                 state.step += 1
                 masters.append(state.master)
                 grads.append(grad.float())
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
                 steps.append(state.step)
-                if self.reuse_buffers:
-                    if state.scratch is None:
-                        state.scratch = torch.empty_like(state.master)
-                    work.append(state.scratch)
+                work.append(state.scratch)
             selected_states = []
             for state in self.selected[group_index]:
                 if state.k == 0 or state.slot.param.grad is None:
                     continue
                 grad = state.slot.param.grad
-                if self.side_stream is not None:
-                    grad.record_stream(self.side_stream)
+                self.lanes.keep_for(grad, side)
                 state.step += 1
                 masters.append(state.master)
                 grads.append(self._gather_selected(state, grad.view(state.slot.rows, state.slot.cols)))
-                if self.reuse_buffers:
-                    work.append(state.scratch)  # the gradient is consumed before the denominators are made
+                work.append(state.scratch)  # the gradient is consumed before the denominators are made
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
                 steps.append(state.step)
                 selected_states.append(state)
-            adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp, work if self.reuse_buffers else None)
+            adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp, work)
             for state in self.device_only[group_index]:
                 if state.separate_master:
                     state.param.data.copy_(state.master)
             for state in selected_states:
                 self.write_selected(state)
-        if self.side_stream is not None:
-            timing[1].record(self.side_stream)
+        if side is not None:
+            timing[1].record(side)
             self._timing_events.append(timing)
 
-    def _gather_selected(self, state: SelectedState, grad2d: torch.Tensor) -> torch.Tensor:
-        """The selected columns of a gradient, in fp32."""
-        if not self.reuse_buffers:
-            return grad2d.index_select(1, state.selected).float()
+    @staticmethod
+    def _gather_selected(state: SelectedState, grad2d: torch.Tensor) -> torch.Tensor:
+        """The selected columns of a gradient, in fp32, in the state's reused buffer."""
         if state.scratch is None or state.scratch.shape != state.master.shape:
             state.scratch = torch.empty_like(state.master)
         if grad2d.dtype == torch.float32:
@@ -261,8 +243,7 @@ class DeviceUpdater:
         while self._timing_events and self._timing_events[0][1].query():
             start, end = self._timing_events.popleft()
             latest = start.elapsed_time(end) / 1000.0
-        del_count = len(self._timing_events) - 16
-        for _ in range(max(0, del_count)):
+        while len(self._timing_events) > 16:
             self._timing_events.popleft()  # bound the queue if nobody asks for a while
         return latest
 
@@ -273,13 +254,8 @@ class DeviceUpdater:
         param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
         param2d.index_copy_(1, state.selected, state.master.to(param2d.dtype))
 
-    def write_all_selected(self) -> None:
-        for group_states in self.selected:
-            for state in group_states:
-                self.write_selected(state)
-
     def bytes_held(self) -> int:
-        """Device bytes of optimizer state the engine holds (masters, moments, indices)."""
+        """Device bytes of optimizer state the engine holds (masters, moments, indices, work buffers)."""
         total = 0
         for group_states in self.device_only:
             for state in group_states:

@@ -5,34 +5,58 @@ calls :meth:`ZenFlowEngine.step`; before the next forward it calls :meth:`wait_f
 never calls ``optimizer.step()``: the torch optimizer only carries the param groups, whose hyperparameters
 are read at every step (so LR schedulers work unchanged).
 
-The exact rule, with every choice this implementation makes, is written in ``docs/update_rule.md``.
+The exact rule is written in ``docs/update_rule.md``, the cost of each stage in ``docs/performance.md``.
+The :class:`~lightning_zenflow.engine.schedule.Schedule` says what happens at each step; this class does it.
+CPU and CUDA run the same code: only :class:`~lightning_zenflow.engine.streams.Lanes` differs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine import state as engine_state
-from lightning_zenflow.engine.device import DeviceUpdater, HyperParams, SelectedState
+from lightning_zenflow.engine.device import DeviceUpdater, HyperParams
 from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec
 from lightning_zenflow.engine.layout import GroupHostBuffers, allocate_host_buffers, build_layout
+from lightning_zenflow.engine.migrate import migrate
+from lightning_zenflow.engine.schedule import (
+    AUTO_INITIAL_INTERVAL,
+    AUTO_MARGIN,
+    AUTO_MAX_INTERVAL,
+    PendingUpdate,
+    Schedule,
+    choose_update_interval,
+)
 from lightning_zenflow.engine.selection import SelectionDiagnostics, column_scores, diagnose, top_columns
-from lightning_zenflow.engine.transfer import Transfers
+from lightning_zenflow.engine.streams import Lanes
+from lightning_zenflow.engine.transfer import (
+    STAGING_SLOT_BYTES,
+    DeviceAccumulation,
+    Helper,
+    HostAccumulation,
+    Uploads,
+)
 
-AUTO_INITIAL_INTERVAL = 4
-"""Window length used by ``update_interval="auto"`` until the first host update has been timed."""
-AUTO_MAX_INTERVAL = 64
-AUTO_MARGIN = 1.25
-"""``"auto"`` sizes the window so that S device steps last this many times one host update."""
+__all__ = [
+    "AUTO_INITIAL_INTERVAL",
+    "AUTO_MARGIN",
+    "AUTO_MAX_INTERVAL",
+    "StepStats",
+    "ZenFlowEngine",
+    "check_optimizer",
+    "choose_update_interval",
+]
+
+AUTO_DEVICE_MARGIN = 1.25
+"""``accumulate_on="auto"`` takes the device when its buffers need at most 1/1.25 of the free device memory."""
 
 
 @dataclass
@@ -55,6 +79,8 @@ class StepStats:
     refreshed: bool
     selection_overlap: float | None = None
     selection_captured: float | None = None
+    accumulate_on: str | None = None
+    """The accumulation mode in use (``"device"`` or ``"host"``; decided at the first step under ``"auto"``)."""
 
 
 class ZenFlowEngine:
@@ -67,6 +93,7 @@ class ZenFlowEngine:
         steps_per_epoch: optimizer steps per epoch, needed by ``select_strategy="epoch"`` / ``"auto"``.
         host_delay_s: test hook, the host worker sleeps this long before each update.
         host_fail_at: test hook, the host worker raises at this update (1-based).
+        stage_delays: test hook, ``{stage: seconds}`` delays each asynchronous stage (see ``engine/streams.py``).
     """
 
     def __init__(
@@ -78,6 +105,7 @@ class ZenFlowEngine:
         steps_per_epoch: int | None = None,
         host_delay_s: float = 0.0,
         host_fail_at: int | None = None,
+        stage_delays: Mapping[str, float] | None = None,
     ) -> None:
         check_optimizer(optimizer)
         self.optimizer = optimizer
@@ -94,25 +122,20 @@ class ZenFlowEngine:
         if len(devices) != 1:
             raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}.")
         self.device = devices.pop()
-        self.refresh_every = self._refresh_period(steps_per_epoch)
-        self._host_delay_s = host_delay_s
+        self.schedule = Schedule.create(
+            [len(g.matrices) for g in self.layout], config.full_warm_up_rounds, config.update_interval
+        )
+        self.schedule.refresh_every = self._refresh_period(steps_per_epoch)
+        self._stage_delays = dict(stage_delays or {})
+        if host_delay_s:
+            self._stage_delays["worker"] = host_delay_s
         self._host_fail_at = host_fail_at
         self._started = False
         self._closed = False
-        # progress of the update rule (all of it goes into state_dict)
-        self.t = 0
-        self._steps_in_window = 0
-        self._slot = 0
-        self._pending_slot: int | None = None
-        self._pending_computed = False
-        self._last_select_t: int | None = None
-        self._selections = 0
-        self._interval = AUTO_INITIAL_INTERVAL if config.update_interval == "auto" else config.update_interval
-        self._interval_decided = config.update_interval != "auto"
-        self._last_hparams: list[HyperParams] | None = None
-        self._window_grads = [[0] * len(group.matrices) for group in self.layout]
-        """Per matrix: gradients accumulated in the open window."""
-        self._window_length = 1
+        self.accumulation: DeviceAccumulation | HostAccumulation | None = None
+        self.uploads: Uploads | None = None
+        self._restored_window_sums: dict[str, torch.Tensor] | None = None
+        self._launch_future: concurrent.futures.Future | None = None
         # telemetry
         self._stall_s = 0.0
         self._step_intervals: list[float] = []
@@ -121,6 +144,7 @@ class ZenFlowEngine:
         self._stall_at_last_stats = 0.0
         self._last_host_s: float | None = None
         self._diagnostics: SelectionDiagnostics | None = None
+        self._refresh_bytes = [0, 0]
         self.last_stats: StepStats | None = None
         self._saved_affinity: set[int] | None = None
         self._saved_threads: int | None = None
@@ -132,22 +156,25 @@ class ZenFlowEngine:
             raise RuntimeError("this ZenFlowEngine was closed; build a new one.")
         if self._started:
             return self
+        self.lanes = Lanes(self.device, self._stage_delays)
         self.host_buffers: list[GroupHostBuffers] = allocate_host_buffers(self.layout)
+        # per group: each matrix's host-bound column indices, for the worker to unpack host-mode accumulators
+        self.unselected_shared = [
+            torch.zeros(sum(s.cols for s in g.matrices), dtype=torch.long).share_memory_() for g in self.layout
+        ]
         self._pinned: list[torch.Tensor] = []
-        if self.device.type == "cuda":
-            self._pin_host_buffers()
-        self.device_updater = DeviceUpdater(self.layout, self.device)
-        self.transfers = Transfers(self.device_updater, self.host_buffers, self.device)
-        self._transfer_futures: list[concurrent.futures.Future] = []
-        self._launch_future: concurrent.futures.Future | None = None
+        self.device_updater = DeviceUpdater(self.layout, self.lanes)
+        self.helper = Helper(self.lanes)
         self._worker: HostWorker | None = None
         self._started = True
-        if self.needs_host():
-            try:
+        try:
+            if self.device.type == "cuda":
+                self._pin_host_buffers()
+            if self.needs_host():
                 self._start_worker()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def needs_host(self) -> bool:
@@ -164,13 +191,13 @@ class ZenFlowEngine:
         # register the shared pages in place (cudaHostRegister); pin_memory() would copy them out of shared memory
         cudart = torch.cuda.cudart()
         for host in self.host_buffers:
-            for tensor in (host.block_shared,):
-                if tensor.numel() == 0:
-                    continue
-                code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1)  # 1: cudaHostRegisterPortable
-                if int(code) != 0:
-                    raise RuntimeError(f"cudaHostRegister failed with code {int(code)} for {tensor.nbytes} bytes.")
-                self._pinned.append(tensor)
+            tensor = host.block_shared
+            if tensor.numel() == 0:
+                continue
+            code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1)  # 1: cudaHostRegisterPortable
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister failed with code {int(code)} for {tensor.nbytes} bytes.")
+            self._pinned.append(tensor)
 
     def _start_worker(self) -> None:
         train_cores, host_cores = self.config.core_split()
@@ -186,20 +213,31 @@ class ZenFlowEngine:
         spec = WorkerSpec(
             blocks=tuple(h.block_shared for h in self.host_buffers),
             steps=tuple(h.step_shared for h in self.host_buffers),
-            extents=tuple(
-                tuple(MatrixExtent(s.offset, s.numel, s.param.dtype) for s in g.matrices) for g in self.layout
-            ),
+            extents=tuple(tuple(self._extents(g)) for g in self.layout),
             heartbeat=torch.zeros(1, dtype=torch.float64).share_memory_(),
             threads=threads,
             cores=worker_cores,
-            delay_s=self._host_delay_s,
+            unselected=tuple(self.unselected_shared),
+            delay_s=self._stage_delays.get("worker", 0.0),
             fail_at_update=self._host_fail_at,
         )
         self._worker = HostWorker(spec, timeout_s=self.config.worker_timeout_s)
 
+    @staticmethod
+    def _extents(group) -> list[MatrixExtent]:
+        extents, col_offset = [], 0
+        for slot in group.matrices:
+            extents.append(MatrixExtent(slot.offset, slot.numel, slot.param.dtype, slot.cols, col_offset))
+            col_offset += slot.cols
+        return extents
+
     @property
     def worker_pid(self) -> int | None:
         return self._worker.pid if self._worker is not None else None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Stop the worker, unpin and drop the buffers, restore the process's cores. Idempotent; safe on error."""
@@ -208,15 +246,14 @@ class ZenFlowEngine:
         self._closed = True
         if not self._started:
             return
-        transfers = getattr(self, "transfers", None)
-        if transfers is not None:
-            transfers.shutdown()
+        helper = getattr(self, "helper", None)
+        if helper is not None:
+            helper.shutdown()
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self.device.type == "cuda":
-            # the side stream may still read pinned pages or write weights: wait for it before releasing anything
-            torch.cuda.synchronize(self.device)
+        # the side stream may still read pinned pages or write weights: wait for it before releasing anything
+        self.lanes.synchronize()
         if self._pinned:
             cudart = torch.cuda.cudart()
             for tensor in self._pinned:
@@ -230,9 +267,9 @@ class ZenFlowEngine:
             self._saved_threads = None
         # drop every reference to the shared blocks so their pages are unmapped now, not at garbage collection
         self.host_buffers = []
-        if transfers is not None:
-            transfers.host_buffers = []
-        self._transfer_futures = []
+        self.unselected_shared = []
+        self.accumulation = None
+        self.uploads = None
 
     def __enter__(self) -> ZenFlowEngine:
         return self.start()
@@ -244,75 +281,66 @@ class ZenFlowEngine:
     def step(self) -> StepStats:
         """One optimizer step with the current ``.grad`` of every parameter (already unscaled and clipped)."""
         self._require_started()
-        d2h_before, h2d_before = self.transfers.d2h_bytes, self.transfers.h2d_bytes
+        self.helper.raise_failures()
+        if self.accumulation is None:
+            self._choose_accumulation()
+        d2h_before, h2d_before = self._link_bytes()
         self._diagnostics = None
         hparams = self.read_hparams()
-        self._last_hparams = hparams
+        self.schedule.last_hparams = [asdict(h) for h in hparams]
         # torch's LR schedulers warn unless optimizer.step() ran first; this call is that step
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        self.t += 1
-        warm_up = self.t <= self.config.full_warm_up_rounds
+        plan = self.schedule.begin_step()
         refreshed = False
-        if not warm_up and self._last_select_t is None:
-            with torch.profiler.record_function("zenflow.select"):
-                self._select_and_migrate()
+        if plan.select_first:
+            self._select_and_migrate()
             refreshed = True
-        self.device_updater.begin_step()
+        updater = self.device_updater
+        updater.begin_step()
         device_started = time.perf_counter()
-        with self.device_updater.on_side_stream(), torch.profiler.record_function("zenflow.device_update"):
-            self.device_updater.update(hparams)
-            if warm_up:
+        states = updater.matrix_states()
+        with self.lanes.on(self.lanes.side, "side"), torch.profiler.record_function("zenflow.device_update"):
+            updater.update(hparams)
+            if plan.warm_up:
                 # a warm-up step updates every column: it counts as an update on both sides
-                for state in self._matrix_states():
+                for state in states:
                     if state.slot.param.grad is not None:
                         state.step += 1
-            payloads, gathered_event = self.transfers.gather(self.device_updater.selected)
-        self.device_updater.end_step()
-        if self.device.type == "cuda":
-            device_s = self.device_updater.finished_update_seconds()  # from events; never waits
-        else:
-            device_s = time.perf_counter() - device_started
-        first_in_window = self._steps_in_window == 0
-        if first_in_window:
-            # the window's planned length: each gradient is added pre-scaled by 1/S (see GroupJob.mean_divisors)
-            self._window_length = 1 if warm_up else self._interval
-        for group_index, group in enumerate(self.layout):
-            for index, slot in enumerate(group.matrices):
-                if slot.param.grad is not None:
-                    self._window_grads[group_index][index] += 1
         with torch.profiler.record_function("zenflow.accumulate"):
-            self._submit_transfer(
-                self.transfers.accumulate,
-                payloads,
-                gathered_event,
-                self._slot,
-                first_in_window,
-                1.0 / self._window_length,
-            )
-        del payloads
-        self._steps_in_window += 1
-        window_end = warm_up or self._steps_in_window >= self._interval
+            stalled_before = self._accumulation_stall()
+            with self.lanes.on(self.lanes.side):
+                self.accumulation.add(
+                    states, self.schedule.slot, plan.first_in_window, self.helper, self.uploads.source_read
+                )
+            self._stall_s += self._accumulation_stall() - stalled_before
+        updater.end_step()
+        device_s = updater.finished_update_seconds() if self.lanes.is_cuda else time.perf_counter() - device_started
+        self.schedule.add_gradients([[slot.param.grad is not None for slot in group.matrices] for group in self.layout])
+        self._poll_pending()
+        window_end = self.schedule.window_ends(plan)
         if window_end:
-            self._close_window(hparams, overlap=self.config.overlap_step and not warm_up)
-            if not warm_up and self._refresh_due():
+            self._close_window(hparams, overlap=self.config.overlap_step and not plan.warm_up)
+            if not plan.warm_up and self.schedule.refresh_due():
                 self._refresh()
                 refreshed = True
         self._record_step_interval()
+        d2h_after, h2d_after = self._link_bytes()
         stall_at_stats = self._stall_s
         self.last_stats = StepStats(
-            step=self.t,
+            step=plan.t,
             stall_s=self._stall_s - self._stall_at_last_stats,
             device_update_s=device_s,
             host_update_s=self._last_host_s,
-            update_interval=self._interval,
-            d2h_bytes=self.transfers.d2h_bytes - d2h_before,
-            h2d_bytes=self.transfers.h2d_bytes - h2d_before,
+            update_interval=self.schedule.interval,
+            d2h_bytes=d2h_after - d2h_before,
+            h2d_bytes=h2d_after - h2d_before,
             device_bytes=self.device_bytes(),
             host_bytes=self.host_bytes(),
             window_end=window_end,
             refreshed=refreshed,
             selection_overlap=self._diagnostics.overlap if self._diagnostics else None,
             selection_captured=self._diagnostics.captured_share if self._diagnostics else None,
+            accumulate_on=self.accumulation.mode,
         )
         self._stall_at_last_stats = stall_at_stats
         return self.last_stats
@@ -321,96 +349,156 @@ class ZenFlowEngine:
         return [HyperParams.from_group(g, self._decoupled_default) for g in self.optimizer.param_groups]
 
     def wait_for_update(self) -> None:
-        """Order the next forward after the last device update and upload (GPU-side wait; no-op on CPU)."""
+        """Before the next forward: make the compute stream wait (GPU-side, no host sync) for the device update."""
         if self._started and not self._closed:
-            self.device_updater.wait_for_update()
+            self.lanes.compute_waits(self.device_updater.update_done)
 
     def before_backward(self) -> None:
-        """Wait until the previous step's gradient payloads were copied down, so they are freed before the next
-        backward allocates new gradients (bounded device memory). A no-op on the CPU."""
-        if self._started and not self._closed and self.device.type == "cuda":
-            self._timed_wait(self._drain_transfers)
+        """Kept for callers of earlier versions: nothing to wait for before backward (the gradients the engine
+        still reads are kept alive on its streams, and the compute stream waits for its reads at each step)."""
 
     def sync(self) -> None:
         """Apply the host update in flight, if any, so the model holds every finished update. Leaves the open
         window's accumulated gradients pending (they belong to the next window end)."""
         self._require_started()
-        if self._pending_slot is not None:
-            self._timed_wait(self._finish_pending)
+        if self.schedule.pending is not None:
+            self._timed_wait(self._land_pending)
 
     def flush(self) -> None:
         """End of training: apply what is in flight, then close the open window early (mean over the steps it
         holds) and apply it, so the weights contain every gradient. The next step starts a new window."""
         self._require_started()
         self.sync()
-        if self._steps_in_window > 0 and self._last_hparams is not None:
-            self._close_window(self._last_hparams, overlap=False)
+        if self.schedule.steps_in_window > 0 and self.schedule.last_hparams is not None:
+            self._close_window([HyperParams(**h) for h in self.schedule.last_hparams], overlap=False)
+
+    # ------------------------------------------------------------------------------------ accumulation mode
+    def _choose_accumulation(self) -> None:
+        """Build the accumulation mode (``"auto"``: device when its buffers fit, measured now, after the first
+        backward has allocated the gradients)."""
+        slots = [s for g in self.layout for s in g.matrices if self._may_go_to_host(s)]
+        need = sum(s.numel * (4 + s.param.element_size()) for s in slots)  # fp32 accumulator + upload buffer
+        mode = self.config.accumulate_on
+        if mode == "auto":
+            free = self.lanes.free_bytes()
+            mode = "device" if need * AUTO_DEVICE_MARGIN <= free else "host"
+            self.accumulate_on_reason = (
+                f"accumulate_on='auto' chose {mode!r}: the device buffers need {need / 2**20:.1f} MiB, "
+                f"{free / 2**20:.1f} MiB free"
+            )
+        else:
+            self.accumulate_on_reason = f"accumulate_on={mode!r} (configured)"
+        if mode == "device":
+            self.accumulation = DeviceAccumulation(self.lanes, slots, self.host_buffers)
+            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, slots)
+        else:
+            # a slot never larger than the largest gradient it would carry (a small model needs no 64 MiB ring)
+            largest = max((s.numel * s.param.element_size() for s in slots), default=1)
+            self.accumulation = HostAccumulation(self.lanes, self.host_buffers, min(STAGING_SLOT_BYTES, largest))
+            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, None)
+        if self._restored_window_sums is not None:
+            self._restore_window_sums(self._restored_window_sums)
+            self._restored_window_sums = None
+
+    def _may_go_to_host(self, slot) -> bool:
+        return (
+            self.config.full_warm_up_rounds > 0 or num_selected_columns(slot.cols, self.config.topk_ratio) < slot.cols
+        )
+
+    @property
+    def accumulate_on(self) -> str | None:
+        """``"device"`` or ``"host"`` once decided (at the first step), else None."""
+        return self.accumulation.mode if self.accumulation is not None else None
+
+    def _accumulation_stall(self) -> float:
+        return getattr(self.accumulation, "stall_s", 0.0)
 
     # ------------------------------------------------------------------------------------------------ windows
     def _close_window(self, hparams: list[HyperParams], overlap: bool) -> None:
-        slot = self._slot
-        jobs = self._host_jobs(hparams)
-        if overlap and self._pending_slot is not None:
-            self._timed_wait(self._finish_pending)
-        if any(job.active for job in jobs):
-            # in order after this window's accumulation on the helper thread (CUDA) or at once (CPU)
-            self._launch_future = self._submit_transfer(self._worker_submit, slot, jobs)
-            self._pending_slot = slot
-            self._pending_computed = False
-            self._pending_active = [job.active for job in jobs]
+        slot = self.schedule.slot
+        counts = self.schedule.close_window()
+        jobs = self._host_jobs(hparams, counts)
+        if overlap and self.schedule.pending is not None:
+            self._timed_wait(self._land_pending)
+        active = [list(job.active) for job in jobs]
+        if any(active):
+            ready = self.accumulation.finish_window(slot, active, self.uploads.source_read)
+            # after this window's adds on the helper thread (host mode), once its copy down has landed (device
+            # mode) and the last upload has read the host master (the worker rewrites it)
+            self._launch_future = self.helper.submit(self._launch, slot, jobs, ready)
+            self.schedule.pending = PendingUpdate(slot=slot, active=active)
             if not overlap:
-                self._timed_wait(self._finish_pending)
-        self._slot ^= 1
-        self._steps_in_window = 0
-        self._window_grads = [[0] * len(counts) for counts in self._window_grads]
+                self._timed_wait(self._land_pending)
         self._maybe_decide_interval()
 
-    def _worker_submit(self, slot: int, jobs: list[GroupJob]) -> None:
+    def _launch(self, slot: int, jobs: list[GroupJob], ready) -> None:
         if self._worker is None:
             raise RuntimeError("internal error: host work was scheduled but no host worker is running.")
-        self.transfers.wait_upload()
+        # helper-thread waits: the accumulator's copy down has landed; the last upload has read its host source
+        ready.synchronize()
+        self.uploads.source_read.synchronize()
         self._worker.submit(slot, jobs)
 
-    def _submit_transfer(self, fn: Callable[..., None], *args: object) -> concurrent.futures.Future | None:
-        """Run ``fn`` in order with the other transfers: on the helper thread (CUDA) or now (CPU)."""
-        while self._transfer_futures and self._transfer_futures[0].done():
-            self._transfer_futures.pop(0).result()  # raise an earlier failure now
-        future = self.transfers.executor.submit(fn, *args)
-        if future.done():
-            future.result()  # raise a failure at once
-            return None
-        self._transfer_futures.append(future)
-        return future
+    def _host_jobs(self, hparams: list[HyperParams], counts: list[list[int]]) -> list[GroupJob]:
+        """Per group: the matrices with columns on the host that got gradients in the window, and how many."""
+        host_mode = isinstance(self.accumulation, HostAccumulation)
+        jobs = []
+        for group_index, group_states in enumerate(self.device_updater.selected):
+            window_counts = counts[group_index]
+            active = tuple(
+                i for i, state in enumerate(group_states) if state.k < state.slot.cols and window_counts[i] > 0
+            )
+            jobs.append(
+                GroupJob(
+                    hparams=hparams[group_index],
+                    active=active,
+                    mean_divisors=tuple(float(window_counts[i]) for i in active),
+                    packed_columns=(
+                        tuple(group_states[i].slot.cols - group_states[i].k for i in active) if host_mode else None
+                    ),
+                )
+            )
+        return jobs
 
-    def _wait_transfers(self, upto: concurrent.futures.Future | None) -> None:
-        """Helper-thread queue wait, in order, up to ``upto`` (inclusive; everything when None)."""
-        while self._transfer_futures:
-            future = self._transfer_futures.pop(0)
-            future.result()
-            if future is upto:
-                return
+    def _poll_pending(self) -> None:
+        """Without blocking: if the host update in flight has finished, start its copy up (device mode)."""
+        pending = self.schedule.pending
+        if pending is None or pending.computed or self._worker is None:
+            return
+        if self._launch_future is not None and not self._launch_future.done():
+            return
+        self.helper.raise_failures()
+        self._launch_future = None
+        host_s = self._worker.poll()
+        if host_s is None:
+            return
+        self._last_host_s = host_s
+        pending.computed = True
+        self.uploads.prefetch(pending.slot, pending.active)
 
     def _await_pending(self) -> None:
         """Wait (without applying) until the host update in flight has finished computing."""
-        if self._pending_slot is None or self._pending_computed:
+        pending = self.schedule.pending
+        if pending is None or pending.computed:
             return
-        # the submit may still sit on the helper thread, behind its window's last d2h: wait for it, not for
-        # copies queued after it (they belong to the next window and may overlap the upload)
+        # the launch may still sit on the helper thread, behind this window's host adds: wait for it, not for
+        # work queued after it (the next window's adds)
         if self._launch_future is not None:
-            self._wait_transfers(self._launch_future)
+            self.helper.wait(self._launch_future)
             self._launch_future = None
         self._last_host_s = self._worker.wait()
-        self._pending_computed = True
+        pending.computed = True
 
-    def _finish_pending(self) -> None:
+    def _land_pending(self) -> None:
         self._await_pending()
-        self.transfers.upload(self._pending_slot, self._pending_active)
-        self._pending_slot = None
-        self._pending_computed = False
+        pending = self.schedule.pending
+        self.uploads.land(pending.slot, pending.active)
+        self.device_updater.end_step()
+        self.schedule.pending = None
 
-    def _drain_transfers(self) -> None:
-        # helper-thread queue wait: every d2h copy, host add and submit issued so far has finished (or raised)
-        self._wait_transfers(None)
+    def _drain_helper(self) -> None:
+        # helper-thread queue wait: every host add and launch issued so far has finished (or raised)
+        self.helper.wait()
         self._launch_future = None
 
     def _timed_wait(self, wait: Callable[[], None]) -> None:
@@ -422,15 +510,13 @@ class ZenFlowEngine:
         finally:
             self._stall_s += time.perf_counter() - started
 
-    def _host_jobs(self, hparams: list[HyperParams]) -> list[GroupJob]:
-        """Per group: the matrices with columns on the host that got gradients in the window, and how many."""
-        jobs = []
-        for group_index, group_states in enumerate(self.device_updater.selected):
-            counts = self._window_grads[group_index]
-            active = tuple(i for i, state in enumerate(group_states) if state.unselected.numel() > 0 and counts[i] > 0)
-            divisors = tuple(counts[i] / self._window_length for i in active)
-            jobs.append(GroupJob(hparams=hparams[group_index], active=active, mean_divisors=divisors))
-        return jobs
+    def wait_idle(self) -> None:
+        """Block until no engine work is running: the host update in flight has finished computing (it is not
+        applied) and the helper thread is idle. Counted as stall. Checkpoints call this."""
+        self._require_started()
+        self._timed_wait(self._await_pending)
+        self._timed_wait(self._drain_helper)
+        self.lanes.synchronize()
 
     # ---------------------------------------------------------------------------------------------- selection
     def _refresh_period(self, steps_per_epoch: int | None) -> int | None:
@@ -446,99 +532,70 @@ class ZenFlowEngine:
 
     def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
         """Tell an epoch-based selection how long an epoch is (optimizer steps); the strategy does this at fit."""
-        self.refresh_every = self._refresh_period(steps_per_epoch)
+        self.schedule.refresh_every = self._refresh_period(steps_per_epoch)
 
-    def _refresh_due(self) -> bool:
-        return self.refresh_every is not None and self.t - self._last_select_t >= self.refresh_every
-
-    def _matrix_states(self) -> list[SelectedState]:
-        return [state for group_states in self.device_updater.selected for state in group_states]
+    @property
+    def refresh_every(self) -> int | None:
+        return self.schedule.refresh_every
 
     def _refresh(self) -> None:
-        self._timed_wait(self._finish_pending_and_drain)
-        with torch.profiler.record_function("zenflow.select"):
-            self._select_and_migrate()
+        self._timed_wait(self._land_pending_and_drain)
+        self._select_and_migrate()
 
-    def _finish_pending_and_drain(self) -> None:
-        if self._pending_slot is not None:
-            self._finish_pending()
-        self._drain_transfers()
+    def _land_pending_and_drain(self) -> None:
+        if self.schedule.pending is not None:
+            self._land_pending()
+        self._drain_helper()
 
     def _select_and_migrate(self) -> None:
-        """Choose each matrix's columns from the current gradient and move state between the sides.
+        """Choose each matrix's columns from the current gradient and move only the columns that change side.
 
-        Runs only with no host work in flight. Every device column first goes back to the host (master and
-        moments), so the host is complete; then the new columns are gathered from it. No moment is zeroed.
-        A full synchronisation point on CUDA: the copies are blocking.
+        Runs only with no host work in flight. Two host reads of small tensors (the new indices and the score
+        sums, one transfer each) and one synchronisation after the batched copies: a full sync point on CUDA.
         """
         started = time.perf_counter()
-        self.synchronize_device()
-        states = self._matrix_states()
-        previous = [state.selected for state in states] if self._last_select_t is not None else None
-        self._return_to_host(states)
-        new_indices, scores = [], []
-        for state in states:
-            grad = state.slot.param.grad
-            k = num_selected_columns(state.slot.cols, self.config.topk_ratio)
-            if grad is None:
-                score = torch.zeros(state.slot.cols, device=self.device)
-            else:
-                score = column_scores(grad.view(state.slot.rows, state.slot.cols), self.config.importance)
-            new_indices.append(top_columns(score, k))
-            scores.append(score)
-        flat_index = 0
-        for group_index, group_states in enumerate(self.device_updater.selected):
-            host = self.host_buffers[group_index]
-            for position, old_state in enumerate(group_states):
-                group_states[position] = self._take_from_host(old_state, new_indices[flat_index], host)
-                flat_index += 1
-        self._diagnostics = diagnose(previous, new_indices, scores)
-        self.synchronize_device()
-        self._last_select_t = self.t
-        self._selections += 1
+        with torch.profiler.record_function("zenflow.select"):
+            states = self.device_updater.matrix_states()
+            previous = [state.selected_host for state in states] if self.schedule.last_select_t is not None else None
+            self.lanes.wait_compute(self.lanes.side)
+            with self.lanes.on(self.lanes.side):
+                indices, scores = [], []
+                for state in states:
+                    grad = state.slot.param.grad
+                    k = num_selected_columns(state.slot.cols, self.config.topk_ratio)
+                    if grad is None:
+                        score = torch.zeros(state.slot.cols, device=self.device)
+                    else:
+                        score = column_scores(grad.view(state.slot.rows, state.slot.cols), self.config.importance)
+                    indices.append(top_columns(score, k))
+                    scores.append(score)
+                # one host read each for all matrices: a device sync, at a refresh only
+                flat_indices = torch.cat(indices).cpu() if indices else torch.empty(0, dtype=torch.long)
+                flat_scores = torch.cat(scores).cpu() if scores else torch.empty(0)
+            new_selected = list(torch.split(flat_indices, [int(i.numel()) for i in indices]))
+            scores_host = list(torch.split(flat_scores, [int(s.numel()) for s in scores]))
+            moved = migrate(self.lanes, self.device_updater, self.host_buffers, new_selected)
+            self._refresh_bytes[0] += moved.d2h_bytes
+            self._refresh_bytes[1] += moved.h2d_bytes
+            self._write_unselected()
+            self._diagnostics = diagnose(previous, new_selected, scores_host)
+            self.schedule.selected()
         self._stall_s += time.perf_counter() - started
 
+    def _write_unselected(self) -> None:
+        """Publish each matrix's host-bound columns to the worker (it unpacks host-mode accumulators with them)."""
+        for group_index, group_states in enumerate(self.device_updater.selected):
+            col_offset = 0
+            for state in group_states:
+                keep = torch.ones(state.slot.cols, dtype=torch.bool)
+                keep[state.selected_host] = False
+                host_columns = keep.nonzero().flatten()
+                self.unselected_shared[group_index][col_offset : col_offset + host_columns.numel()] = host_columns
+                col_offset += state.slot.cols
+
     def synchronize_device(self) -> None:
-        """Wait for all device work of the engine (CUDA); used only at selections and state transfers, which
-        read or replace device tensors that the side stream writes."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _return_to_host(self, states: list[SelectedState]) -> None:
-        for state in states:
-            if state.k == 0:
-                continue
-            host = self.host_buffers[state.slot.group_index]
-            selected_cpu = state.selected.cpu()
-            for host_row, device_tensor in (
-                (host.master, state.master),
-                (host.exp_avg, state.exp_avg),
-                (host.exp_avg_sq, state.exp_avg_sq),
-            ):
-                state.slot.view2d(host_row).index_copy_(1, selected_cpu, device_tensor.cpu())
-                self.transfers.d2h_bytes += device_tensor.nbytes
-
-    def _take_from_host(self, state: SelectedState, selected: torch.Tensor, host: GroupHostBuffers) -> SelectedState:
-        selected_cpu = selected.cpu()
-        unselected_cpu = torch.ones(state.slot.cols, dtype=torch.bool)
-        unselected_cpu[selected_cpu] = False
-        unselected_cpu = unselected_cpu.nonzero().flatten()
-
-        def gather(host_row: torch.Tensor) -> torch.Tensor:
-            columns = state.slot.view2d(host_row).index_select(1, selected_cpu)
-            self.transfers.h2d_bytes += columns.nbytes
-            return columns.to(self.device)
-
-        return SelectedState(
-            slot=state.slot,
-            selected=selected_cpu.to(self.device),
-            unselected=unselected_cpu.to(self.device),
-            unselected_host=unselected_cpu,
-            master=gather(host.master),
-            exp_avg=gather(host.exp_avg),
-            exp_avg_sq=gather(host.exp_avg_sq),
-            step=state.step,
-        )
+        """Wait for all device work of the engine (CUDA); used only at selections and state transfers."""
+        self.lanes.synchronize()
 
     # ------------------------------------------------------------------------------------------ auto interval
     def _record_step_interval(self) -> None:
@@ -552,35 +609,81 @@ class ZenFlowEngine:
         self._stall_at_last_end = self._stall_s
 
     def _maybe_decide_interval(self) -> None:
-        if self._interval_decided or self._last_host_s is None or not self._step_intervals:
+        if self.schedule.interval_decided or self._last_host_s is None or not self._step_intervals:
             return
-        device_step_s = statistics.median(self._step_intervals)
-        self._interval = choose_update_interval(self._last_host_s, device_step_s)
-        self._interval_decided = True
+        self.schedule.decide_interval(self._last_host_s, statistics.median(self._step_intervals))
 
     # ---------------------------------------------------------------------------------------------- telemetry
+    def _link_bytes(self) -> tuple[int, int]:
+        d2h = self._refresh_bytes[0] + (self.accumulation.d2h_bytes if self.accumulation is not None else 0)
+        h2d = self._refresh_bytes[1] + (self.uploads.h2d_bytes if self.uploads is not None else 0)
+        return d2h, h2d
+
     def device_bytes(self) -> int:
-        return self.device_updater.bytes_held() if self._started else 0
+        """Device bytes the engine holds: optimizer state, work buffers, accumulators, upload buffers, ring."""
+        if not self._started or self._closed:
+            return 0
+        total = self.device_updater.bytes_held()
+        if self.accumulation is not None:
+            total += self.accumulation.bytes_held() + self.uploads.bytes_held()
+        return total
 
     def host_bytes(self) -> int:
-        if not self._started:
+        """Host bytes the engine holds in the training process: the shared blocks and the pinned staging."""
+        if not self._started or self._closed:
             return 0
         own = sum(h.block_shared.nbytes + h.step_shared.nbytes for h in self.host_buffers)
-        return own + self.transfers.bytes_held()
+        own += sum(t.nbytes for t in self.unselected_shared)
+        if isinstance(self.accumulation, HostAccumulation):
+            own += self.accumulation.host_staging_bytes()
+        return own
 
     @property
     def update_interval(self) -> int:
-        return self._interval
+        return self.schedule.interval
+
+    @property
+    def t(self) -> int:
+        return self.schedule.t
 
     @property
     def host_in_flight(self) -> bool:
-        return self._pending_slot is not None
+        return self.schedule.pending is not None
 
     def _require_started(self) -> None:
         if not self._started or self._closed:
             raise RuntimeError("the ZenFlowEngine is not running; call start() first (and not after close()).")
 
     # ------------------------------------------------------------------------------------------------- state
+    def window_sums(self) -> dict[str, torch.Tensor]:
+        """The open window's accumulated gradient sums, ``{name: fp32 tensor shaped like the parameter}``, on
+        the CPU (empty when no window is open). Call after :meth:`wait_idle`."""
+        if self.schedule.steps_in_window == 0 or self.accumulation is None:
+            return {}
+        sums = {}
+        for state in self.device_updater.matrix_states():
+            slot = state.slot
+            if not self._may_go_to_host(slot):
+                continue
+            unselected = _complement(state.selected_host, slot.cols)
+            total = self.accumulation.window_sum(slot, self.schedule.slot, unselected)
+            sums[slot.name] = total.reshape(slot.param.shape).clone()
+        return sums
+
+    def restore_window_sums(self, sums: Mapping[str, torch.Tensor]) -> None:
+        """Put saved window sums back (before the first step: kept until the accumulation mode is chosen)."""
+        if self.accumulation is None:
+            self._restored_window_sums = dict(sums)
+        else:
+            self._restore_window_sums(sums)
+
+    def _restore_window_sums(self, sums: Mapping[str, torch.Tensor]) -> None:
+        for state in self.device_updater.matrix_states():
+            slot = state.slot
+            if slot.name in sums and self._may_go_to_host(slot):
+                unselected = _complement(state.selected_host, slot.cols)
+                self.accumulation.restore_window_sum(slot, self.schedule.slot, unselected, sums[slot.name].float())
+
     def state_dict(self, include_moments: bool = True) -> dict:
         """Everything needed to continue exactly, keyed by parameter name (see ``engine/state.py``).
 
@@ -602,15 +705,23 @@ class ZenFlowEngine:
         """Start from a plain torch Adam/AdamW state dict (moments and steps; the weights come from the model)."""
         engine_state.load_torch_state_dict(self, torch_state)
 
+    def install_selection(self, selected: list[torch.Tensor], device_steps: list[int]) -> None:
+        """Set every matrix's selected columns (CPU index tensors, in layout order) and device step counts,
+        taking their master and moments from the host block. For restoring state into a fresh engine."""
+        updater = self.device_updater
+        for state, steps in zip(updater.matrix_states(), device_steps):
+            state.step = int(steps)
+        migrate(self.lanes, updater, self.host_buffers, [s.to(torch.long).cpu() for s in selected])
+        self._write_unselected()
 
-def choose_update_interval(host_update_s: float, device_step_s: float) -> int:
-    """``update_interval="auto"``: the smallest S whose S device steps cover one host update with a margin.
+    def is_fresh(self) -> bool:
+        return self.schedule.t == 0 and self.schedule.pending is None and self.schedule.steps_in_window == 0
 
-    S = ceil(AUTO_MARGIN * host_update_s / device_step_s), clamped to [1, AUTO_MAX_INTERVAL].
-    """
-    if device_step_s <= 0:
-        return AUTO_MAX_INTERVAL
-    return int(min(AUTO_MAX_INTERVAL, max(1, math.ceil(AUTO_MARGIN * host_update_s / device_step_s))))
+
+def _complement(selected: torch.Tensor, cols: int) -> torch.Tensor:
+    keep = torch.ones(cols, dtype=torch.bool)
+    keep[selected] = False
+    return keep.nonzero().flatten()
 
 
 SUPPORTED_OPTIMIZERS = "torch.optim.AdamW and torch.optim.Adam"

@@ -21,10 +21,12 @@ import ctypes
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+import types
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -48,6 +50,10 @@ class MatrixExtent:
     offset: int
     numel: int
     dtype: torch.dtype
+    cols: int = 0
+    """Columns of the ``[rows, cols]`` view (needed to unpack a packed accumulator)."""
+    col_offset: int = 0
+    """Where this matrix's columns start in its group's shared column-index buffer."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,11 @@ class GroupJob:
     active: tuple[int, ...]
     """Indices (within the group) of the matrices that have columns on the host and got gradients."""
     mean_divisors: tuple[float, ...]
-    """For each active matrix, what turns its accumulator into the window's mean gradient: the accumulator
-    holds sum(g) / S (each gradient added pre-scaled by 1/S, the window's planned length), so the divisor is
-    count / S: exactly 1.0 for a full window, where no extra pass over the accumulator is needed."""
+    """For each active matrix, what turns its accumulator into the window's mean gradient: the accumulator holds
+    the sum of the window's gradients, so the divisor is their count (the fused kernel divides as it reads)."""
+    packed_columns: tuple[int, ...] | None = None
+    """``accumulate_on="host"``: per active matrix, how many columns its accumulator holds packed (``[rows, n]``
+    contiguous, the columns listed in the spec's ``unselected`` buffer); None: whole ``[rows, cols]`` rows."""
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,49 @@ class WorkerSpec:
     heartbeat: torch.Tensor
     threads: int
     cores: tuple[int, ...] | None
+    unselected: tuple[torch.Tensor, ...] = ()
+    """Per group, shared int64: each matrix's host-bound column indices at its ``col_offset`` (host mode)."""
     delay_s: float = 0.0
     """Test hook: sleep this long before each update (a deliberately slow worker)."""
     fail_at_update: int | None = None
     """Test hook: raise inside the worker at this update (1-based), to exercise error propagation."""
+
+
+def unpack_accumulators(
+    grad_acc: torch.Tensor,
+    extents: Sequence[MatrixExtent],
+    job: GroupJob,
+    unselected: torch.Tensor,
+    scratch: torch.Tensor,
+) -> None:
+    """Host mode: turn each active matrix's packed accumulator (``[rows, n]`` at the start of its region) into
+    whole rows in place, zero in the columns that are not host-bound (their host values are parked).
+
+    Rows are moved from the last to the first through ``scratch`` (one row block at a time), so a row is
+    written only after every packed row it overlaps has been read.
+    """
+    if job.packed_columns is None:
+        return
+    for index, n_packed in zip(job.active, job.packed_columns):
+        extent = extents[index]
+        cols = extent.cols
+        if n_packed == cols:
+            continue  # every column is host-bound: the packed layout is the whole-row layout
+        rows = extent.numel // cols
+        region = grad_acc[extent.offset : extent.offset + extent.numel]
+        columns = unselected[extent.col_offset : extent.col_offset + n_packed]
+        block_rows = max(1, min(rows, scratch.numel() // max(cols, 1)))
+        for stop in range(rows, 0, -block_rows):
+            start = max(0, stop - block_rows)
+            packed = region[start * n_packed : stop * n_packed].view(stop - start, n_packed)
+            whole = scratch[: (stop - start) * cols].view(stop - start, cols)
+            whole.zero_()
+            whole.index_copy_(1, columns, packed)
+            region[start * cols : stop * cols].copy_(whole.view(-1))
+
+
+UNPACK_SCRATCH_ELEMENTS = 1 << 22
+"""The worker's fp32 scratch for unpacking host-mode accumulators (16 MiB)."""
 
 
 def host_adam_update(
@@ -85,6 +132,8 @@ def host_adam_update(
     extents: Sequence[MatrixExtent],
     slot: int,
     job: GroupJob,
+    unselected: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step on the active matrices of a group with the mean of accumulator ``slot``.
 
@@ -95,6 +144,12 @@ def host_adam_update(
     if not job.active:
         return
     master, exp_avg, exp_avg_sq, grad_acc = block[0], block[1], block[2], block[3 + slot]
+    if job.packed_columns is not None:
+        if unselected is None:
+            raise ValueError("a packed accumulator needs the host-bound column indices (unselected).")
+        if scratch is None:
+            scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32)
+        unpack_accumulators(grad_acc, extents, job, unselected, scratch)
     hp = job.hparams
     fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
     # one fused call per distinct divisor; grad_scale (an extra division per element) only when it is not 1
@@ -162,6 +217,7 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(spec.threads)
+    scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32) if spec.unselected else None
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(spec.heartbeat, stop), daemon=True)
     beat.start()
@@ -189,6 +245,8 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -
                         spec.extents[group_index],
                         slot,
                         job,
+                        spec.unselected[group_index] if spec.unselected else None,
+                        scratch,
                     )
                 conn.send(("done", seq, time.perf_counter() - started))
             except Exception:
@@ -196,6 +254,24 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -
     finally:
         stop.set()
         conn.close()
+
+
+@contextlib.contextmanager
+def _without_user_main() -> Iterator[None]:
+    """Start the worker from this module alone, never from the user's script.
+
+    ``spawn`` makes the child re-import the parent's ``__main__`` (by path or module name) before it unpickles
+    the target: a script without an ``if __name__ == "__main__":`` guard would train again inside the worker,
+    and every script would pay for its imports. While the child is started, ``__main__`` is a bare module with
+    neither a path nor a spec, so the child imports only ``lightning_zenflow.engine.host`` (the target's module).
+    """
+    user_main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if user_main is not None:
+            sys.modules["__main__"] = user_main
 
 
 class HostWorker:
@@ -216,7 +292,8 @@ class HostWorker:
         previous = os.environ.get(WORKER_ENV)
         os.environ[WORKER_ENV] = "1"
         try:
-            self._process.start()
+            with _without_user_main():
+                self._process.start()
         finally:
             if previous is None:
                 os.environ.pop(WORKER_ENV, None)
@@ -249,6 +326,13 @@ class HostWorker:
         except OSError as error:
             self._raise_dead(error)
         self._in_flight = self._seq
+
+    def poll(self) -> float | None:
+        """Without blocking: the compute time of the update in flight if it has finished (then nothing is in
+        flight any more), else None."""
+        if self._in_flight is None or not self._conn.poll():
+            return None
+        return self.wait()
 
     def wait(self) -> float:
         """Block until the update in flight finishes; returns its compute time in seconds (0 if none)."""

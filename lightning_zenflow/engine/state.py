@@ -14,18 +14,17 @@ not stored: it is the master cast to the model dtype, and is rebuilt on load.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zenflow.engine.device import HyperParams, SelectedState
 from lightning_zenflow.engine.layout import staging_view
 
 if TYPE_CHECKING:
     from lightning_zenflow.engine.engine import ZenFlowEngine
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: the schedule is saved as ``Schedule.state_dict()`` and the open window as gradient sums."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -48,13 +47,13 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
             ):
                 full = slot.view2d(host_row).clone()
                 if state.k:
-                    full.index_copy_(1, state.selected.cpu(), device_tensor.cpu())
+                    full.index_copy_(1, state.selected_host, device_tensor.cpu())
                 entry[key] = full.view(slot.param.shape)
             entry.update(
                 kind="matrix",
                 device_step=state.step,
                 host_step=int(host.step_shared[slot.index_in_group]),
-                selected=state.selected.cpu().clone(),
+                selected=state.selected_host.clone(),
             )
             merged[slot.name] = entry
         for state, device_entry in zip(engine.device_updater.device_only[group_index], group.device_only):
@@ -70,35 +69,16 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
 
 
 def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
-    engine._require_started()
     # wait for the host update in flight to finish computing; applying it now would change the run
-    engine._timed_wait(engine._await_pending)
-    engine._timed_wait(engine._drain_transfers)
+    engine.wait_idle()
     params = _merged(engine)
-    if engine._steps_in_window > 0:
-        for group_index, group in enumerate(engine.layout):
-            accumulator = engine.host_buffers[group_index].grad_acc(engine._slot)
-            for slot in group.matrices:
-                params[slot.name]["grad_acc"] = slot.view2d(accumulator).clone().view(slot.param.shape)
+    for name, window_sum in engine.window_sums().items():
+        params[name]["grad_acc"] = window_sum
     if not include_moments:
         for entry in params.values():
             for key in MOMENTS:
                 entry.pop(key)
-    progress = {
-        "t": engine.t,
-        "steps_in_window": engine._steps_in_window,
-        "window_grads": [list(c) for c in engine._window_grads],
-        "window_length": engine._window_length,
-        "slot": engine._slot,
-        "pending_slot": engine._pending_slot,
-        "pending_active": [list(a) for a in engine._pending_active] if engine._pending_slot is not None else None,
-        "last_select_t": engine._last_select_t,
-        "selections": engine._selections,
-        "update_interval": engine._interval,
-        "interval_decided": engine._interval_decided,
-        "last_hparams": [asdict(h) for h in engine._last_hparams] if engine._last_hparams else None,
-    }
-    return {"version": STATE_VERSION, "params": params, "progress": progress}
+    return {"version": STATE_VERSION, "params": params, "progress": engine.schedule.state_dict()}
 
 
 def _param_names(engine: ZenFlowEngine) -> dict[str, torch.Tensor]:
@@ -112,8 +92,9 @@ def _param_names(engine: ZenFlowEngine) -> dict[str, torch.Tensor]:
 
 
 def _check_fresh(engine: ZenFlowEngine, what: str) -> None:
-    engine._require_started()
-    if engine.t != 0 or engine._pending_slot is not None or engine._steps_in_window:
+    if engine.closed:
+        raise RuntimeError("the ZenFlowEngine is not running; call start() first (and not after close()).")
+    if not engine.is_fresh():
         raise RuntimeError(f"{what} needs an engine that has not stepped yet; build a new engine to restore into.")
 
 
@@ -147,13 +128,14 @@ def _validate_names(engine: ZenFlowEngine, params: Mapping[str, Mapping]) -> Non
 def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: Mapping | None) -> None:
     _check_fresh(engine, "load_state_dict")
     if state.get("version") != STATE_VERSION:
-        raise ValueError(f"unknown ZenFlow state version {state.get('version')!r}; expected {STATE_VERSION}.")
+        raise ValueError(
+            f"unknown ZenFlow state version {state.get('version')!r}; expected {STATE_VERSION}. A checkpoint of an "
+            "older lightning_zenflow resumes its weights only: load them into the module and start a new fit."
+        )
     params = state["params"]
     # everything is validated before anything is written: a bad state leaves the engine untouched
     _validate_names(engine, params)
     moments = _moments_by_name(engine, torch_state) if torch_state is not None else {}
-    progress = state["progress"]
-    slot_index = int(progress["slot"])
 
     def moment(name: str, key: str) -> torch.Tensor:
         if key in params[name]:
@@ -162,25 +144,29 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
             return moments[name][key]
         raise ValueError(f"the ZenFlow state has no {key} for {name} and no torch optimizer state supplies it.")
 
+    for group in engine.layout:
+        for slot in group.matrices:
+            for key in MOMENTS:
+                moment(slot.name, key)
+        for entry in group.device_only:
+            for key in MOMENTS:
+                moment(entry.name, key)
+    engine.schedule.load_state_dict(
+        state["progress"],
+        keep_interval=None if engine.config.update_interval == "auto" else int(engine.config.update_interval),
+    )
     updater = engine.device_updater
+    selected, device_steps = [], []
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
-        for position, slot in enumerate(group.matrices):
+        for slot in group.matrices:
             entry = params[slot.name]
             slot.view2d(host.master).copy_(entry["master"].reshape(slot.rows, slot.cols))
             slot.view2d(host.exp_avg).copy_(moment(slot.name, "exp_avg").reshape(slot.rows, slot.cols))
             slot.view2d(host.exp_avg_sq).copy_(moment(slot.name, "exp_avg_sq").reshape(slot.rows, slot.cols))
             host.step_shared[slot.index_in_group] = float(entry["host_step"])
-            accumulator = slot.view2d(host.grad_acc(slot_index))
-            if "grad_acc" in entry:
-                accumulator.copy_(entry["grad_acc"].reshape(slot.rows, slot.cols))
-            else:
-                accumulator.zero_()
-            old_state = updater.selected[group_index][position]
-            old_state.step = int(entry["device_step"])
-            updater.selected[group_index][position] = engine._take_from_host(
-                old_state, entry["selected"].to(torch.long), host
-            )
+            selected.append(entry["selected"].to(torch.long))
+            device_steps.append(int(entry["device_step"]))
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
             entry = params[device_entry.name]
             with torch.no_grad():
@@ -190,35 +176,20 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                 if state_entry.separate_master:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
-    engine.synchronize_device()
-    engine.t = int(progress["t"])
-    engine._steps_in_window = int(progress["steps_in_window"])
-    engine._window_grads = [list(map(int, c)) for c in progress["window_grads"]]
-    engine._window_length = int(progress["window_length"])
-    engine._slot = slot_index
-    engine._last_select_t = progress["last_select_t"]
-    engine._selections = int(progress["selections"])
-    engine._interval = int(progress["update_interval"])
-    engine._interval_decided = bool(progress["interval_decided"]) or engine.config.update_interval != "auto"
-    if engine.config.update_interval != "auto":
-        engine._interval = int(engine.config.update_interval)
-    hparams = progress["last_hparams"]
-    engine._last_hparams = [HyperParams(**h) for h in hparams] if hparams else None
-    pending_slot = progress["pending_slot"]
-    if pending_slot is not None:
+    engine.install_selection(selected, device_steps)
+    engine.restore_window_sums({name: entry["grad_acc"] for name, entry in params.items() if "grad_acc" in entry})
+    pending = engine.schedule.pending
+    if pending is not None:
         # rebuild the staged upload of the computed update: the host master cast to the model dtype
-        active = [tuple(a) for a in progress["pending_active"]]
+        pending.computed = True
         for group_index, group in enumerate(engine.layout):
-            accumulator = engine.host_buffers[group_index].grad_acc(pending_slot)
-            for index in active[group_index]:
+            host = engine.host_buffers[group_index]
+            for index in pending.active[group_index]:
                 slot = group.matrices[index]
                 if slot.param.dtype == torch.float32:
                     continue  # fp32 weights are uploaded from the master itself
-                staged = staging_view(accumulator, slot, slot.param.dtype)
-                staged.copy_(slot.view2d(engine.host_buffers[group_index].master))
-        engine._pending_slot = int(pending_slot)
-        engine._pending_active = active
-        engine._pending_computed = True
+                staging_view(host.grad_acc(pending.slot), slot, slot.param.dtype).copy_(slot.view2d(host.master))
+    engine.synchronize_device()
 
 
 def _moments_by_name(engine: ZenFlowEngine, torch_state: Mapping) -> dict[str, dict[str, torch.Tensor]]:
@@ -261,8 +232,7 @@ def _moments_by_name(engine: ZenFlowEngine, torch_state: Mapping) -> dict[str, d
 
 
 def torch_state_dict(engine: ZenFlowEngine) -> dict:
-    engine._require_started()
-    engine._timed_wait(engine._await_pending)
+    engine.wait_idle()
     merged = _merged(engine)
     by_id = {id(param): name for name, param in _param_names(engine).items()}
     layout_state = engine.optimizer.state_dict()
@@ -295,8 +265,7 @@ def load_torch_state_dict(engine: ZenFlowEngine, torch_state: Mapping) -> None:
             slot.view2d(host.exp_avg).copy_(entry["exp_avg"].reshape(slot.rows, slot.cols))
             slot.view2d(host.exp_avg_sq).copy_(entry["exp_avg_sq"].reshape(slot.rows, slot.cols))
             host.step_shared[slot.index_in_group] = float(entry["step"])
-            state: SelectedState = updater.selected[group_index][position]
-            state.step = entry["step"]
+            updater.selected[group_index][position].step = entry["step"]
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
             if device_entry.name not in moments:
                 continue

@@ -1,223 +1,376 @@
-"""Moving data between the device and the host buffers: gradients down (d2h), weights up (h2d).
+"""Gradients down, weights up: the two accumulation modes and the upload of a host update.
 
-Per step, the gradient columns that stay on the host are gathered on the device (on the side stream) into
-one contiguous payload per matrix, copied down and added into the window's fp32 accumulator. Only the
-unselected columns cross the link, in the model dtype: (1 - rho) x model bytes per step.
+The window's host-bound gradient columns are summed in fp32, one exact addition per step, in the same order in
+both modes, so the host worker receives bit-identical sums (the worker divides by the count: the mean):
 
-Per window, the host worker leaves the new weights, cast to the model dtype, in the bytes of the
-accumulator it consumed; they are copied up into the parameters in one piece and the selected columns are
-then restored from the device's fp32 master: 1/S x model bytes per step.
+``DeviceAccumulation`` (``accumulate_on="device"``): an fp32 ``[rows, cols]`` accumulator per matrix on the
+device, added to on the side stream at every step; at a window end it is copied down once, straight into the
+host block's accumulator row that the worker reads. Nothing model-sized runs in the training process per step.
+Link: 4 B per matrix element per window down.
 
-On CUDA the down-copy and the host add run on a helper thread (so the training thread never blocks on
-them), through a small pinned staging ring of fixed size, whatever the model size. On the CPU everything
-runs inline and the device and host share memory.
+``HostAccumulation`` (``accumulate_on="host"``): at every step the unselected columns of each gradient are
+gathered on the device into a fixed-size device slot, copied down into a pinned slot, and added by the helper
+thread into the host accumulator, where each matrix's unselected columns are kept *packed* (``[rows, n]``
+contiguous, so the add is a plain contiguous add at memory bandwidth). Device memory: the two slots, whatever
+the model size. Link: (1 - rho) x model bytes per step. The training thread waits only when both slots are
+still being added (the host add is the throughput limit of this mode; see docs/performance.md).
+
+``Uploads``: after the worker's update, the new weights (the fp32 master, or the model-dtype copy the worker
+staged in the consumed accumulator) go up. With a device buffer (device mode) they are copied up on the h2d
+stream as soon as the worker is done and swapped in at the landing step by a device copy; without one (host
+mode) they are copied straight into the parameters at the landing step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
-from lightning_zenflow.engine.layout import GroupHostBuffers, staging_view
+from lightning_zenflow.engine.layout import GroupHostBuffers, MatrixSlot, staging_view
+from lightning_zenflow.engine.streams import Event, Lanes
 
-STAGING_SLOT_BYTES = 32 * 1024 * 1024
-"""Bytes per slot of the pinned d2h staging ring (two slots) on CUDA."""
+STAGING_SLOT_BYTES = 64 * 1024 * 1024
+"""Bytes per slot of the host mode's staging ring (two slots on the device, two pinned on the host)."""
+CONVERT_CHUNK_ELEMENTS = 1 << 20
+"""Host add of a non-fp32 gradient: converted to fp32 in cache-sized pieces (4 MiB) before the add."""
 
 
-class InlineExecutor:
-    """``submit`` runs the job at once in the calling thread and returns a finished future."""
+def packed_view(row: torch.Tensor, slot: MatrixSlot, columns: int) -> torch.Tensor:
+    """``[rows, columns]`` contiguous at the start of ``slot``'s region of a host row (host mode's accumulator)."""
+    return row[slot.offset : slot.offset + slot.rows * columns].view(slot.rows, columns)
 
-    def submit(self, fn: Callable[..., object], *args: object) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:
-            future.set_exception(error)
+
+class Helper:
+    """One helper thread that runs host-side stages in order (FIFO): host adds, job launches. Real on the CPU
+    too, so the CPU tests run the same concurrency. Failures surface in the training thread at the next call."""
+
+    def __init__(self, lanes: Lanes) -> None:
+        self.lanes = lanes
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-helper")
+        self._futures: list[concurrent.futures.Future] = []
+
+    def submit(self, fn: Callable[..., None], *args: object) -> concurrent.futures.Future:
+        self.raise_failures()
+
+        def run() -> None:
+            self.lanes.delay("helper")
+            fn(*args)
+
+        future = self._executor.submit(run)
+        self._futures.append(future)
         return future
 
-    def shutdown(self) -> None:
-        pass
+    def raise_failures(self) -> None:
+        """Re-raise the first failure of a finished job; forget finished ones."""
+        while self._futures and self._futures[0].done():
+            self._futures.pop(0).result()
 
-
-@dataclass
-class GradPayload:
-    """The gradient columns of one matrix that go to the host at one step."""
-
-    state: SelectedState
-    columns_device: torch.Tensor
-    """CUDA: ``[rows, n_unselected]`` gathered on the device, in the model dtype. CPU: the whole gradient."""
-
-
-class Transfers:
-    """The d2h accumulation and the h2d upload, with byte counters at the copy sites.
-
-    The counters report what crosses the device link: on CUDA exactly what is copied; on the CPU, where
-    device and host share memory and nothing is copied, what the CUDA path would copy for the same step.
-    """
-
-    def __init__(
-        self, device_updater: DeviceUpdater, host_buffers: Sequence[GroupHostBuffers], device: torch.device
-    ) -> None:
-        self.device_updater = device_updater
-        self.host_buffers = host_buffers
-        self.is_cuda = device.type == "cuda"
-        # one helper thread in order (FIFO) on CUDA; inline on the CPU
-        self.executor = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-d2h")
-            if self.is_cuda
-            else InlineExecutor()
-        )
-        self.d2h_bytes = 0
-        self.h2d_bytes = 0
-        self._staging_pinned: list[torch.Tensor] = []
-        self._staging_events: list[torch.cuda.Event] = []
-        self._upload_event = torch.cuda.Event() if self.is_cuda else None
-        # its own stream, so gradient copies down never queue behind the weight copies up on the side stream
-        self.d2h_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        if self.is_cuda:
-            for _ in range(2):
-                self._staging_pinned.append(torch.empty(STAGING_SLOT_BYTES, dtype=torch.uint8, pin_memory=True))
-                self._staging_events.append(torch.cuda.Event())
-
-    def gather(self, groups: Sequence[Sequence[SelectedState]]) -> tuple[list[GradPayload], torch.cuda.Event | None]:
-        """This step's gradient columns that stay on the host. Call on the side stream.
-
-        Returns the payloads and, on CUDA, an event recorded after the gathers (the d2h copies wait on it).
-        """
-        payloads = []
-        for group_states in groups:
-            for state in group_states:
-                grad = state.slot.param.grad
-                if grad is None or state.unselected.numel() == 0:
-                    continue
-                grad2d = grad.view(state.slot.rows, state.slot.cols)
-                self.d2h_bytes += state.slot.rows * state.unselected.numel() * grad.element_size()
-                if not self.is_cuda:
-                    # consumed inline, before anyone can touch the gradient; the host add takes whole rows
-                    payloads.append(GradPayload(state=state, columns_device=grad2d.detach()))
-                    continue
-                # made on the compute stream, read here on the side stream: keep it alive for the side stream
-                grad.record_stream(self.device_updater.side_stream)
-                # a copy the helper thread owns: zero_grad may clear the gradient before the d2h runs
-                columns = grad2d.index_select(1, state.unselected)
-                columns.record_stream(self.d2h_stream)
-                payloads.append(GradPayload(state=state, columns_device=columns))
-        if not self.is_cuda:
-            return payloads, None
-        gathered_event = torch.cuda.Event()
-        gathered_event.record(self.device_updater.side_stream)
-        return payloads, gathered_event
-
-    def accumulate(
-        self,
-        payloads: Sequence[GradPayload],
-        gathered_event: torch.cuda.Event | None,
-        slot: int,
-        first_in_window: bool,
-        scale: float,
-    ) -> None:
-        """Add the payloads, times ``scale`` (1/S), into accumulator ``slot`` (zeroed first at a window's first
-        step). Runs in order."""
-        if self.is_cuda:
-            if first_in_window:
-                # this accumulator may still be the source of the last upload: wait until it has been read
-                self._upload_event.synchronize()
-                for host in self.host_buffers:
-                    host.grad_acc(slot).zero_()
-            self._accumulate_cuda(payloads, gathered_event, slot, scale)
+    def wait(self, upto: concurrent.futures.Future | None = None) -> None:
+        """Helper-thread queue wait, in order, up to ``upto`` (inclusive; everything when None)."""
+        self.raise_failures()
+        if upto is not None and upto.done():
+            upto.result()
             return
-        covered = set()
-        for payload in payloads:
-            # whole rows: the columns that are on the device accumulate too, into parked slots nobody reads
-            # (cheaper than gathering the host's columns: one contiguous add instead of a gather and a scatter)
-            slot_of_matrix = payload.state.slot
-            acc2d = slot_of_matrix.view2d(self.host_buffers[slot_of_matrix.group_index].grad_acc(slot))
-            if first_in_window:
-                torch.mul(payload.columns_device, scale, out=acc2d)  # the window's first step overwrites
-                covered.add((slot_of_matrix.group_index, slot_of_matrix.index_in_group))
-            else:
-                acc2d.add_(payload.columns_device, alpha=scale)
-        if first_in_window:
-            for group_states in self.device_updater.selected:
-                for state in group_states:
-                    if (state.slot.group_index, state.slot.index_in_group) not in covered:
-                        state.slot.view2d(self.host_buffers[state.slot.group_index].grad_acc(slot)).zero_()
-
-    def _accumulate_cuda(
-        self, payloads: Sequence[GradPayload], gathered_event: torch.cuda.Event | None, slot: int, scale: float
-    ) -> None:
-        d2h_stream = self.d2h_stream
-        with torch.cuda.device(d2h_stream.device):
-            # GPU-side wait: the copies start once the side stream has gathered the columns
-            d2h_stream.wait_event(gathered_event)
-        pending: tuple | None = None
-        ring = 0
-        for payload in payloads:
-            state = payload.state
-            columns = payload.columns_device
-            unselected_host = state.unselected_host
-            row_bytes = columns.shape[1] * columns.element_size()
-            rows_per_chunk = max(1, STAGING_SLOT_BYTES // max(row_bytes, 1))
-            acc2d = state.slot.view2d(self.host_buffers[state.slot.group_index].grad_acc(slot))
-            for row_start in range(0, state.slot.rows, rows_per_chunk):
-                row_stop = min(state.slot.rows, row_start + rows_per_chunk)
-                chunk = columns[row_start:row_stop]
-                staging = self._staging_pinned[ring][: chunk.numel() * chunk.element_size()]
-                staging = staging.view(chunk.dtype).view(chunk.shape)
-                with torch.cuda.device(d2h_stream.device), torch.cuda.stream(d2h_stream):
-                    staging.copy_(chunk, non_blocking=True)
-                    self._staging_events[ring].record(d2h_stream)
-                if pending is not None:
-                    self._add_staged(*pending)
-                pending = (ring, staging, acc2d[row_start:row_stop], unselected_host, scale)
-                ring ^= 1
-        if pending is not None:
-            self._add_staged(*pending)
-
-    def _add_staged(
-        self, ring: int, staging: torch.Tensor, acc_rows: torch.Tensor, unselected: torch.Tensor, scale: float
-    ) -> None:
-        # helper-thread wait for this chunk's d2h copy to land in pinned memory; the training thread runs on
-        self._staging_events[ring].synchronize()
-        acc_rows.index_add_(1, unselected, staging.float(), alpha=scale)
-
-    def upload(self, slot: int, active: Sequence[Sequence[int]]) -> None:
-        """Copy the new weights of the active matrices up into the parameters, then restore the selected
-        columns from the device master. Runs on the side stream.
-
-        The source is the staged model-dtype copy in accumulator ``slot``, or, for fp32 weights, the host
-        master itself (no staging pass; the next host update waits for this copy, see ``wait_upload``)."""
-        with self.device_updater.on_side_stream():
-            for group_index, group_states in enumerate(self.device_updater.selected):
-                host = self.host_buffers[group_index]
-                for index in active[group_index]:
-                    state = group_states[index]
-                    param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
-                    if param2d.dtype == torch.float32:
-                        staged = state.slot.view2d(host.master)
-                    else:
-                        staged = staging_view(host.grad_acc(slot), state.slot, param2d.dtype)
-                    param2d.copy_(staged, non_blocking=self.is_cuda)
-                    self.h2d_bytes += staged.nbytes
-                    self.device_updater.write_selected(state)
-            if self._upload_event is not None:
-                self._upload_event.record(self.device_updater.side_stream)
-        self.device_updater.end_step()
-
-    def wait_upload(self) -> None:
-        """Block until the last upload has read its host source (CUDA; a no-op on the CPU, where it is a copy).
-
-        The worker's next update rewrites the fp32 master that an upload may still be reading."""
-        if self._upload_event is not None:
-            # host wait on the helper thread, before the worker is told to start
-            self._upload_event.synchronize()
+        while self._futures:
+            future = self._futures.pop(0)
+            future.result()
+            if future is upto:
+                return
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._futures = []
+
+
+class DeviceAccumulation:
+    """``accumulate_on="device"``: fp32 accumulators on the device, copied down once per window."""
+
+    mode = "device"
+
+    def __init__(self, lanes: Lanes, slots: Sequence[MatrixSlot], host_buffers: Sequence[GroupHostBuffers]) -> None:
+        self.lanes = lanes
+        self.host_buffers = host_buffers
+        self.acc_device = {
+            (s.group_index, s.index_in_group): torch.zeros(s.rows, s.cols, dtype=torch.float32, device=lanes.device)
+            for s in slots
+        }
+        self._offsets = {(s.group_index, s.index_in_group): s.offset for s in slots}
+        self.copied_down = lanes.event()
+        """Recorded on the d2h stream after the last window-end copy: the accumulators may be overwritten."""
+        self.d2h_bytes = 0
+
+    def add(
+        self, states: Sequence[SelectedState], slot: int, first_in_window: bool, helper: Helper, upload_read: Event
+    ) -> None:
+        """Add this step's gradients (whole rows). Issue on the side stream, after the device update."""
+        if first_in_window:
+            # side stream waits (GPU-side) until the last window-end copy has read the accumulators
+            Lanes.stream_waits(self.lanes.side, self.copied_down)
+        for state in states:
+            acc = self.acc_device.get((state.slot.group_index, state.slot.index_in_group))
+            if acc is None:
+                continue
+            grad = state.slot.param.grad
+            if grad is None:
+                if first_in_window:
+                    acc.zero_()
+                continue
+            # made on the compute stream, read on the side stream: keep it alive past zero_grad
+            self.lanes.keep_for(grad, self.lanes.side)
+            grad2d = grad.view(state.slot.rows, state.slot.cols)
+            if first_in_window:
+                acc.copy_(grad2d)  # the window's first gradient overwrites: no zeroing pass
+            else:
+                acc.add_(grad2d)  # fp32 + (model dtype cast to fp32): one exact conversion, one rounding
+
+    def finish_window(self, slot: int, active: Sequence[Sequence[int]], upload_read: Event) -> Event:
+        """Copy the active matrices' accumulators down into host accumulator ``slot``; returns the copy's event."""
+        lanes = self.lanes
+        # d2h waits (GPU-side) for the side stream's adds, and for the upload that may still read this slot
+        if lanes.d2h is not None:
+            lanes.d2h.wait_stream(lanes.side)
+        Lanes.stream_waits(lanes.d2h, upload_read)
+        with lanes.on(lanes.d2h, "d2h"):
+            for group_index, indices in enumerate(active):
+                host_row = self.host_buffers[group_index].grad_acc(slot)
+                for index in indices:
+                    acc = self.acc_device[(group_index, index)]
+                    offset = self._offsets[(group_index, index)]
+                    target = host_row[offset : offset + acc.numel()].view(acc.shape)
+                    target.copy_(acc, non_blocking=lanes.is_cuda)
+                    self.d2h_bytes += acc.nbytes
+            self.copied_down.record(lanes.d2h)
+        return self.copied_down
+
+    def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
+        """The open window's sum for one matrix, ``[rows, cols]`` fp32 on the CPU (checkpoints)."""
+        return self.acc_device[(slot.group_index, slot.index_in_group)].cpu()
+
+    def restore_window_sum(
+        self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        self.acc_device[(slot.group_index, slot.index_in_group)].copy_(value.reshape(slot.rows, slot.cols))
 
     def bytes_held(self) -> int:
-        return sum(t.nbytes for t in self._staging_pinned)
+        return sum(t.nbytes for t in self.acc_device.values())
+
+
+class HostAccumulation:
+    """``accumulate_on="host"``: per-step copies down through a fixed two-slot ring, added on the helper thread."""
+
+    mode = "host"
+
+    def __init__(self, lanes: Lanes, host_buffers: Sequence[GroupHostBuffers], slot_bytes: int = STAGING_SLOT_BYTES):
+        self.lanes = lanes
+        self.host_buffers = host_buffers
+        self.slot_bytes = slot_bytes
+        self.ring_device = [torch.empty(slot_bytes, dtype=torch.uint8, device=lanes.device) for _ in range(2)]
+        self.ring_host = [lanes.empty_host(slot_bytes, torch.uint8) for _ in range(2)]
+        self.copied = [lanes.event() for _ in range(2)]
+        """Per ring slot: recorded on the d2h stream after its copy down."""
+        self.gathered = [lanes.event() for _ in range(2)]
+        self._free = [threading.Event() for _ in range(2)]
+        for free in self._free:
+            free.set()
+        self._next = 0
+        self.convert_fp32 = torch.empty(CONVERT_CHUNK_ELEMENTS, dtype=torch.float32)
+        """The helper thread's reused fp32 buffer for converting a non-fp32 chunk before the add."""
+        self.d2h_bytes = 0
+        self.stall_s = 0.0
+
+    def add(
+        self, states: Sequence[SelectedState], slot: int, first_in_window: bool, helper: Helper, upload_read: Event
+    ) -> None:
+        """Gather, copy down and (on the helper thread) add this step's unselected columns. Issue on the side
+        stream, after the device update; the training thread blocks only while both ring slots are busy."""
+        lanes = self.lanes
+        if first_in_window:
+            # the open window's accumulator may be the source of the last upload (staged weights): the helper
+            # thread waits for that copy up before it writes there
+            helper.submit(upload_read.synchronize)
+        for state in states:
+            grad = state.slot.param.grad
+            n_unselected = state.slot.cols - state.k
+            if n_unselected == 0:
+                continue
+            acc2d = packed_view(self.host_buffers[state.slot.group_index].grad_acc(slot), state.slot, n_unselected)
+            if grad is None:
+                if first_in_window:
+                    helper.submit(acc2d.zero_)
+                continue
+            # made on the compute stream, read on the side stream: keep it alive past zero_grad
+            lanes.keep_for(grad, lanes.side)
+            grad2d = grad.view(state.slot.rows, state.slot.cols)
+            row_bytes = n_unselected * grad.element_size()
+            if row_bytes > self.slot_bytes:
+                raise ValueError(
+                    f"a row of {state.slot.name} has {row_bytes} bytes of host-bound gradient, more than the "
+                    f"{self.slot_bytes}-byte staging slot; use accumulate_on='device'."
+                )
+            rows_per_chunk = self.slot_bytes // row_bytes
+            for row_start in range(0, state.slot.rows, rows_per_chunk):
+                row_stop = min(state.slot.rows, row_start + rows_per_chunk)
+                ring = self._acquire()
+                shape = (row_stop - row_start, n_unselected)
+                numel = shape[0] * shape[1]
+                chunk_device = self.ring_device[ring][: numel * grad.element_size()].view(grad.dtype).view(shape)
+                chunk_host = self.ring_host[ring][: numel * grad.element_size()].view(grad.dtype).view(shape)
+                # side stream: gather the rows' unselected columns; its earlier copy down from this slot is done
+                Lanes.stream_waits(lanes.side, self.copied[ring])
+                torch.index_select(grad2d[row_start:row_stop], 1, state.unselected, out=chunk_device)
+                self.gathered[ring].record(lanes.side)
+                Lanes.stream_waits(lanes.d2h, self.gathered[ring])
+                with lanes.on(lanes.d2h, "d2h"):
+                    chunk_host.copy_(chunk_device, non_blocking=lanes.is_cuda)
+                    self.copied[ring].record(lanes.d2h)
+                self.d2h_bytes += numel * grad.element_size()
+                helper.submit(self.add_staged, ring, chunk_host, acc2d[row_start:row_stop], first_in_window)
+
+    def _acquire(self) -> int:
+        """The next ring slot, once the helper thread has finished adding its previous contents."""
+        ring = self._next
+        self._next ^= 1
+        free = self._free[ring]
+        if not free.is_set():
+            started = time.perf_counter()
+            free.wait()  # training-thread wait: the host add is behind (this mode's throughput limit)
+            self.stall_s += time.perf_counter() - started
+        free.clear()
+        return ring
+
+    def add_staged(self, ring: int, chunk_host: torch.Tensor, acc_rows: torch.Tensor, overwrite: bool) -> None:
+        """Helper thread: add (or, at a window's first step, write) one staged chunk into packed accumulator rows,
+        then free its ring slot. ``acc_rows`` is contiguous: a plain streaming add."""
+        try:
+            # helper-thread wait for this chunk's copy down to land in the pinned slot
+            self.copied[ring].synchronize()
+            if chunk_host.dtype == torch.float32:
+                if overwrite:
+                    acc_rows.copy_(chunk_host)
+                else:
+                    acc_rows.add_(chunk_host)
+                return
+            # a non-fp32 gradient: convert in cache-sized pieces into a reused fp32 buffer, then add (exactly the
+            # arithmetic of the device mode: one exact conversion, one rounding)
+            flat_acc = acc_rows.reshape(-1) if acc_rows.is_contiguous() else None
+            flat_src = chunk_host.reshape(-1)
+            if flat_acc is None:
+                raise RuntimeError("internal error: a packed accumulator view is not contiguous.")
+            for start in range(0, flat_src.numel(), CONVERT_CHUNK_ELEMENTS):
+                stop = min(flat_src.numel(), start + CONVERT_CHUNK_ELEMENTS)
+                if overwrite:
+                    flat_acc[start:stop].copy_(flat_src[start:stop])
+                else:
+                    work = self.convert_fp32[: stop - start]
+                    work.copy_(flat_src[start:stop])
+                    flat_acc[start:stop].add_(work)
+        finally:
+            self._free[ring].set()
+
+    def finish_window(self, slot: int, active: Sequence[Sequence[int]], upload_read: Event) -> Event:
+        """Nothing to copy: the helper thread's adds are queued before the launch that follows."""
+        return self.lanes.event()
+
+    def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
+        """The open window's sum for one matrix, ``[rows, cols]`` fp32 (zero in the selected columns)."""
+        full = torch.zeros(slot.rows, slot.cols, dtype=torch.float32)
+        packed = packed_view(self.host_buffers[slot.group_index].grad_acc(host_slot), slot, unselected.numel())
+        full.index_copy_(1, unselected.cpu(), packed)
+        return full
+
+    def restore_window_sum(
+        self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        packed = packed_view(self.host_buffers[slot.group_index].grad_acc(host_slot), slot, unselected.numel())
+        packed.copy_(value.reshape(slot.rows, slot.cols).index_select(1, unselected.cpu()))
+
+    def bytes_held(self) -> int:
+        """Device bytes: the two staging slots."""
+        return sum(t.nbytes for t in self.ring_device)
+
+    def host_staging_bytes(self) -> int:
+        """Host bytes: the two pinned staging slots and the helper's fp32 conversion buffer."""
+        return sum(t.nbytes for t in self.ring_host) + self.convert_fp32.nbytes
+
+
+class Uploads:
+    """The new weights of a host update, up to the device. ``prefetch``: through a device buffer of the model's
+    size (device mode), copied as soon as the worker is done, landed by a device copy."""
+
+    def __init__(
+        self,
+        lanes: Lanes,
+        device_updater: DeviceUpdater,
+        host_buffers: Sequence[GroupHostBuffers],
+        prefetch_slots: Sequence[MatrixSlot] | None,
+    ) -> None:
+        self.lanes = lanes
+        self.device_updater = device_updater
+        self.host_buffers = host_buffers
+        self.buffers_device = (
+            {(s.group_index, s.index_in_group): torch.empty_like(s.param.data) for s in prefetch_slots}
+            if prefetch_slots is not None
+            else None
+        )
+        self.source_read = lanes.event()
+        """Recorded after the last upload's copy up: its host source (master, staged slot) may be rewritten."""
+        self._prefetched: tuple[int, tuple] | None = None
+        self.h2d_bytes = 0
+
+    def _source(self, group_index: int, state: SelectedState, slot: int) -> torch.Tensor:
+        host = self.host_buffers[group_index]
+        dtype = state.slot.param.dtype
+        if dtype == torch.float32:
+            return state.slot.view2d(host.master)  # fp32 weights go up from the master itself
+        return staging_view(host.grad_acc(slot), state.slot, dtype)
+
+    def prefetch(self, slot: int, active: Sequence[Sequence[int]]) -> None:
+        """Device mode: start copying the finished update up into the device buffers (h2d stream). No-op
+        without buffers or when already started."""
+        if self.buffers_device is None or self._prefetched is not None:
+            return
+        lanes = self.lanes
+        with lanes.on(lanes.h2d, "h2d"):
+            for group_index, indices in enumerate(active):
+                states = self.device_updater.selected[group_index]
+                for index in indices:
+                    source = self._source(group_index, states[index], slot)
+                    target = self.buffers_device[(group_index, index)].view(source.shape)
+                    target.copy_(source, non_blocking=lanes.is_cuda)
+                    self.h2d_bytes += source.nbytes
+            self.source_read.record(lanes.h2d)
+        self._prefetched = (slot, tuple(tuple(a) for a in active))
+
+    def land(self, slot: int, active: Sequence[Sequence[int]]) -> None:
+        """Write the update into the parameters, then restore the selected columns from the device masters.
+        Issued on the side stream; the compute stream waits for it before the next forward."""
+        lanes = self.lanes
+        self.prefetch(slot, active)
+        # side stream waits (GPU-side) for the compute stream (callbacks may have read the weights) and the copy up
+        lanes.wait_compute(lanes.side)
+        if self.buffers_device is not None:
+            Lanes.stream_waits(lanes.side, self.source_read)
+        with lanes.on(lanes.side, "side"):
+            for group_index, indices in enumerate(active):
+                states = self.device_updater.selected[group_index]
+                for index in indices:
+                    state = states[index]
+                    param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
+                    if self.buffers_device is not None:
+                        param2d.copy_(self.buffers_device[(group_index, index)].view(param2d.shape))
+                    else:
+                        source = self._source(group_index, state, slot)
+                        param2d.copy_(source, non_blocking=lanes.is_cuda)
+                        self.h2d_bytes += source.nbytes
+                    self.device_updater.write_selected(state)
+            if self.buffers_device is None:
+                self.source_read.record(lanes.side)
+        self._prefetched = None
+
+    def bytes_held(self) -> int:
+        return sum(t.nbytes for t in self.buffers_device.values()) if self.buffers_device is not None else 0

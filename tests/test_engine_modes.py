@@ -1,0 +1,255 @@
+"""The two accumulation modes, the delayed asynchronous stages, the refresh and the worker's own entry point.
+
+``accumulate_on="device"`` and ``"host"`` must give bitwise the same numbers (only speed and memory differ),
+whatever the speed of each asynchronous stage; a refresh moves only the columns that change side.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.host import GroupJob, MatrixExtent, unpack_accumulators
+
+pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
+
+DELAYS = {"side": 0.01, "d2h": 0.01, "h2d": 0.01, "helper": 0.01, "worker": 0.05}
+
+
+def _net(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 5)).to(dtype)
+
+
+def _run(
+    accumulate_on: str,
+    dtype: torch.dtype = torch.float32,
+    delays: dict | None = None,
+    steps: int = 11,
+    **knobs: object,
+) -> tuple[list[dict], dict, list]:
+    """A weight-dependent loss (every gradient depends on what the engine left in the model), a warm-up step,
+    a refresh, a sync boundary, an uneven learning rate and a partial window closed by flush()."""
+    model = _net(dtype)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[3].weight], "weight_decay": 0.1},
+            {"params": [model[0].bias, model[2].weight, model[2].bias, model[3].bias], "lr": 3e-3},
+        ],
+        lr=1e-2,
+    )
+    config = ZenFlowConfig(
+        **{
+            "topk_ratio": 0.25,
+            "update_interval": 2,
+            "full_warm_up_rounds": 1,
+            "select_strategy": "step",
+            "select_interval": 4,
+            "accumulate_on": accumulate_on,
+            **knobs,
+        }
+    )
+    generator = torch.Generator().manual_seed(1)
+    history, stats = [], []
+    names = {param: name for name, param in model.named_parameters()}
+    with ZenFlowEngine(opt, config, param_names=names, stage_delays=delays) as engine:
+        for t in range(1, steps + 1):
+            engine.wait_for_update()
+            x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 5, generator=generator)
+            loss = nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+            loss.backward()
+            for group in opt.param_groups:
+                group["lr"] *= 0.9
+            stats.append(engine.step())
+            opt.zero_grad()
+            if t == 6:
+                engine.sync()
+            history.append(copy.deepcopy(model.state_dict()))
+        engine.flush()
+        history.append(copy.deepcopy(model.state_dict()))
+        state = engine.state_dict()["params"]
+    return history, state, stats
+
+
+def _assert_same(first: tuple, second: tuple) -> None:
+    first_history, first_state, _ = first
+    second_history, second_state, _ = second
+    for step, (a, b) in enumerate(zip(first_history, second_history), start=1):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{name} after step {step}"
+    for name, entry in first_state.items():
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], second_state[name][key]), f"{key} of {name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("overlap_step", [True, False])
+def test_device_and_host_accumulation_are_bitwise_equal(dtype, overlap_step):
+    device = _run("device", dtype, overlap_step=overlap_step)
+    host = _run("host", dtype, overlap_step=overlap_step)
+    assert {s.accumulate_on for s in device[2]} == {"device"}
+    assert {s.accumulate_on for s in host[2]} == {"host"}
+    _assert_same(device, host)
+    # the run trained, on both sides of every matrix
+    first, last = device[0][0], device[0][-1]
+    assert not torch.equal(first["0.weight"], last["0.weight"])
+    selected = device[1]["0.weight"]["selected"]
+    assert 0 < selected.numel() < 6
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_delayed_asynchronous_stages_change_nothing_bitwise(accumulate_on):
+    undelayed = _run(accumulate_on)
+    delayed = _run(accumulate_on, delays=DELAYS)
+    _assert_same(undelayed, delayed)
+    # the delays were real: the slow worker made the training thread wait at some window ends
+    assert sum(s.stall_s for s in delayed[2]) > sum(s.stall_s for s in undelayed[2])
+
+
+def test_unknown_stage_to_delay_is_refused():
+    layer = nn.Linear(4, 3)
+    engine = ZenFlowEngine(torch.optim.AdamW(layer.parameters()), ZenFlowConfig(), stage_delays={"gpu": 1.0})
+    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['gpu'\]"):
+        engine.start()
+
+
+def test_link_bytes_per_mode_follow_the_cost_model():
+    """Device mode: the fp32 accumulator down and the weights up once per window. Host mode: the unselected
+    columns down every step (model dtype), the weights up once per window."""
+    torch.manual_seed(0)
+    results = {}
+    for mode in ("device", "host"):
+        weight = nn.Parameter(torch.randn(8, 20, dtype=torch.bfloat16))
+        opt = torch.optim.AdamW([weight], lr=1e-3)
+        config = ZenFlowConfig(topk_ratio=0.1, update_interval=4, accumulate_on=mode)
+        with ZenFlowEngine(opt, config) as engine:
+            stats = []
+            for _ in range(12):
+                weight.grad = torch.randn_like(weight)
+                stats.append(engine.step())
+            engine.flush()
+        results[mode] = stats
+    # k = 2 of 20 columns; the first step's selection moves 2 columns x 8 rows x 3 fp32 rows up
+    refresh_up = 2 * 8 * 3 * 4
+    device_down = [s.d2h_bytes for s in results["device"]]
+    assert device_down == [0, 0, 0, 8 * 20 * 4] * 3
+    host_down = [s.d2h_bytes for s in results["host"]]
+    assert host_down == [8 * 18 * 2] * 12
+    for mode in ("device", "host"):
+        up = [s.h2d_bytes for s in results[mode]]
+        assert up[0] == refresh_up
+        # windows close at 4, 8, 12; with overlap each lands a window later: 8 and 12 upload 8 x 20 bf16
+        assert sum(up[1:]) == 2 * 8 * 20 * 2
+
+
+def test_refresh_moves_only_the_columns_that_change_side():
+    layer = nn.Linear(10, 3, bias=False)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    config = ZenFlowConfig(topk_ratio=0.3, update_interval=2, select_strategy="step", select_interval=2)
+
+    def gradient(hot: tuple[int, ...]) -> torch.Tensor:
+        grad = torch.full((3, 10), 0.01)
+        grad[:, list(hot)] = 0.1
+        return grad
+
+    with ZenFlowEngine(opt, config) as engine:
+        stats = []
+        for hot in [(1, 4, 7)] * 4 + [(1, 4, 8)] * 2 + [(0, 2, 9)] * 2:
+            layer.weight.grad = gradient(hot)
+            stats.append(engine.step())
+    refreshes = [s for s in stats if s.refreshed]
+    assert [s.step for s in refreshes] == [1, 4, 6, 8]
+    column_moves = 3 * 3 * 4  # one column: 3 rows x (master, exp_avg, exp_avg_sq) fp32
+    accumulator_down = 3 * 10 * 4  # device mode: the window's fp32 accumulator goes down at each window end
+    # the same columns again at step 4: nothing moves; 7 -> 8 at step 6: one column each way; all three at step 8
+    migrated_down = {s.step: s.d2h_bytes - accumulator_down for s in refreshes[1:]}
+    assert migrated_down == {4: 0, 6: column_moves, 8: 3 * column_moves}
+
+
+def test_auto_takes_the_device_when_it_fits_and_the_host_when_not(monkeypatch):
+    from lightning_zenflow.engine import streams
+
+    def run(free_bytes: int) -> ZenFlowEngine:
+        layer = nn.Linear(32, 16)
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+        monkeypatch.setattr(streams.Lanes, "free_bytes", lambda self: free_bytes)
+        with ZenFlowEngine(opt, ZenFlowConfig(topk_ratio=0.25)) as engine:
+            layer(torch.randn(2, 32)).sum().backward()
+            engine.step()
+            return engine.accumulate_on, engine.accumulate_on_reason
+
+    need = 16 * 32 * (4 + 4)
+    assert run(10 * need) == (
+        "device",
+        f"accumulate_on='auto' chose 'device': the device buffers need "
+        f"{need / 2**20:.1f} MiB, {10 * need / 2**20:.1f} MiB free",
+    )
+    mode, reason = run(need)  # fits, but not with the 25 % margin
+    assert mode == "host"
+    assert "chose 'host'" in reason
+
+
+def test_unpack_turns_packed_accumulators_into_whole_rows_in_place():
+    torch.manual_seed(0)
+    rows_a, cols_a, rows_b, cols_b = 5, 7, 3, 4
+    grad_a, grad_b = torch.randn(rows_a, cols_a), torch.randn(rows_b, cols_b)
+    host_a, host_b = torch.tensor([0, 2, 3, 6]), torch.tensor([0, 1, 2, 3])  # b: every column host-bound
+    row = torch.full((rows_a * cols_a + rows_b * cols_b,), float("nan"))
+    row[: rows_a * 4] = grad_a[:, host_a].reshape(-1)
+    row[rows_a * cols_a :] = grad_b.reshape(-1)
+    unselected = torch.cat([host_a, torch.zeros(3, dtype=torch.long), host_b])
+    extents = [
+        MatrixExtent(0, rows_a * cols_a, torch.float32, cols_a, 0),
+        MatrixExtent(rows_a * cols_a, rows_b * cols_b, torch.float32, cols_b, cols_a),
+    ]
+    job = GroupJob(hparams=None, active=(0, 1), mean_divisors=(1.0, 1.0), packed_columns=(4, 4))
+    # a scratch of two rows: several row blocks, moved last to first
+    unpack_accumulators(row, extents, job, unselected, torch.empty(2 * cols_a))
+    expected_a = torch.zeros(rows_a, cols_a)
+    expected_a[:, host_a] = grad_a[:, host_a]
+    assert torch.equal(row[: rows_a * cols_a].view(rows_a, cols_a), expected_a)
+    assert torch.equal(row[rows_a * cols_a :].view(rows_b, cols_b), grad_b)
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = """
+import pathlib, sys, torch
+from lightning_zenflow import ZenFlowConfig, ZenFlowEngine
+
+marker = pathlib.Path(sys.argv[1])
+marker.write_text(marker.read_text() + "top level ran\\n" if marker.exists() else "top level ran\\n")
+layer = torch.nn.Linear(8, 4)
+opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+with ZenFlowEngine(opt, ZenFlowConfig(topk_ratio=0.25, update_interval=1, overlap_step=False)) as engine:
+    for _ in range(3):
+        layer(torch.randn(2, 8)).sum().backward()
+        engine.step()
+        layer.zero_grad()
+print("trained", engine.last_stats.step)
+"""
+
+
+def test_a_script_without_a_main_guard_trains_and_runs_once(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent(SCRIPT_WITHOUT_MAIN_GUARD))
+    marker = tmp_path / "marker.txt"
+    result = subprocess.run(
+        [sys.executable, str(script), str(marker)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trained 3" in result.stdout
+    assert marker.read_text() == "top level ran\n", "the worker must not re-run the user's script"
+
+
+def test_python_dash_c_trains(tmp_path):
+    code = SCRIPT_WITHOUT_MAIN_GUARD.replace("sys.argv[1]", repr(str(tmp_path / "marker.txt")))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trained 3" in result.stdout
