@@ -2,7 +2,7 @@
 
 Metric names (all under ``zenflow/``): ``stall_ms``, ``device_update_ms``, ``host_update_ms``,
 ``update_interval``, ``d2h_bytes``, ``h2d_bytes``, ``device_bytes``, ``host_bytes``, and at selection
-refreshes ``selection_overlap`` and ``selection_captured``. The progress bar shows ``stall``: the share of
+refreshes ``selection_overlap`` and ``selection_captured``. The progress bar shows ``stall%``: the percentage of
 wall time since the start of training that the training loop spent waiting inside the engine.
 """
 
@@ -17,6 +17,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_zenflow.engine import StepStats
+
+PROGRESS_BAR_KEY = "stall%"
+"""The progress bar's entry: the stall share in percent (``stall%=0.128`` is 0.128 % of the time, not 12.8 %)."""
 
 
 @dataclass
@@ -78,7 +81,9 @@ class ZenFlowTelemetry(Callback):
         self.summary.steps += 1
         self.summary.stall_s += stats.stall_s
         self.summary.wall_s = time.perf_counter() - (self._started or time.perf_counter())
-        pl_module.log("stall", self.summary.stall_share, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        pl_module.log(
+            PROGRESS_BAR_KEY, 100 * self.summary.stall_share, prog_bar=True, logger=False, on_step=True, on_epoch=False
+        )
         metrics = {}
         if stats.selection_overlap is not None:
             metrics["zenflow/selection_overlap"] = stats.selection_overlap

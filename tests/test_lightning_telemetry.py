@@ -48,8 +48,9 @@ def test_metrics_progress_bar_and_summary(tmp_path: pathlib.Path, caplog: pytest
     assert [int(row["step"]) for row in rows if row.get("zenflow/selection_captured")] == [0, 5, 9, 13]
     assert [int(row["step"]) for row in rows if row.get("zenflow/selection_overlap")] == [5, 9, 13]
     assert all(0.0 <= value <= 1.0 for value in captured + overlap)
-    assert "stall" in trainer.progress_bar_metrics
-    assert 0.0 <= trainer.progress_bar_metrics["stall"] <= 1.0
+    # the progress bar shows the stall share of the last step in percent; the logger keeps the fraction
+    last_share = _column(rows, "zenflow/stall_share")[-1]
+    assert trainer.progress_bar_metrics["stall%"] == pytest.approx(100 * last_share, rel=1e-4, abs=1e-6)
     summaries = [record.getMessage() for record in caplog.records if "ZenFlow run summary" in record.getMessage()]
     assert len(summaries) == 1
     assert "16 optimizer steps" in summaries[0]
@@ -74,7 +75,7 @@ def test_log_telemetry_false_adds_no_callback(tmp_path: pathlib.Path) -> None:
     )
     assert own.telemetry == []
     assert not any(key.startswith("zenflow/") for key in _metrics(tmp_path / "off")[0])
-    assert "stall" not in trainer.progress_bar_metrics
+    assert "stall%" not in trainer.progress_bar_metrics
 
 
 def test_a_user_telemetry_callback_is_not_doubled() -> None:
