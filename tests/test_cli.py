@@ -251,6 +251,15 @@ def test_shipped_configs_bound_the_epochs(config: Path) -> None:
         assert trainer["max_epochs"] >= 1
 
 
+def test_the_knobs_config_spells_out_every_knob_at_its_default() -> None:
+    knobs = yaml.safe_load(KNOBS_CONFIG.read_text())["trainer"]["strategy"]["init_args"]
+    defaults = ZenFlowConfig()
+    assert list(knobs) == list(ZenFlowConfig.__dataclass_fields__), "every knob, in the config's order"
+    for name, value in knobs.items():
+        expected = getattr(defaults, name)
+        assert (tuple(value) if isinstance(value, list) else value) == expected, name
+
+
 def test_class_path_form_works_with_a_plain_lightning_cli(tmp_path: Path) -> None:
     """`class_path: lightning_zenflow.ZenFlowStrategy` needs no import of the package by the script."""
     script = tmp_path / "plain_cli.py"
