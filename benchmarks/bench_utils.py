@@ -169,6 +169,15 @@ def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def append_jsonl(path: pathlib.Path, record: dict[str, Any]) -> None:
+    """Append ``record`` as one JSON line to ``path`` and push it to disk now, so a run killed later keeps it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(json.dumps(_json_safe(record)) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 def matplotlib_pyplot() -> Any | None:
     """``matplotlib.pyplot`` with a file-only backend, or None (with a message) when matplotlib is missing."""
     try:

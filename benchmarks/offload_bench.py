@@ -552,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
         specs = build_specs(args)
     except (ValueError, TypeError) as error:  # ZenFlowConfig's validation names the option and the fix
         raise SystemExit(f"offload_bench: invalid engine settings: {error}") from None
+    if args.device == "cuda":
+        specs.sort(key=lambda spec: spec.name != "zenflow")  # the ZenFlow row first: a run cut short still has it
     intervals = sorted({s.interval for s in specs if s.interval is not None})
     lcm = math.lcm(*intervals) if intervals else 1
     warmup = args.warmup_steps if args.warmup_steps is not None else (4 if args.quick else 8)
@@ -641,6 +643,21 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     batches = make_batches(corpus, warmup + steps, batch, block, args.seed + 1, device)
+    # each configuration's raw record as it finishes (JSON lines), so a run killed by a timeout keeps its rows
+    rows_path = args.out.with_suffix(".rows.jsonl")
+    rows_path.unlink(missing_ok=True)
+    bench_utils.append_jsonl(
+        rows_path,
+        {
+            "record": "header",
+            "command": bench_utils.command_line(),
+            "machine": info,
+            "batch": batch,
+            "block": block,
+            "warmup_steps": warmup,
+            "measured_steps": steps,
+        },
+    )
     results: list[dict[str, Any]] = []
     failures: list[dict[str, str]] = []
     skipped: list[dict[str, str]] = []
@@ -658,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # record it and go on: one GPU run should report every configuration it can
             print(f" FAILED: {type(error).__name__}: {error}")
             failures.append({"name": spec.name, "error": f"{type(error).__name__}: {error}"})
+            bench_utils.append_jsonl(rows_path, {"record": "failure", **failures[-1]})
             gc.collect()
             continue
         print(
@@ -665,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(setup {result['setup_s']:.1f} s, final loss {result['final_loss']:.3f})"
         )
         results.append(result)
+        bench_utils.append_jsonl(rows_path, {"record": "row", **result})
     summary = summarize(results, model_bytes, n_params)
     print_report(results, summary, device.type == "cuda")
     ideal = next(iter(summary.values()))["ideal_speedup_over_sync_offload"] if summary else math.nan

@@ -151,3 +151,55 @@ def test_host_adam_quick(tmp_path: pathlib.Path) -> None:
     assert positive(result["results"][0]["worker_compute_s"])
     assert positive(result["results"][0]["worker_wall_s"])
     assert result["bytes_per_param"] == {"engine": 34, "fused_adamw": 28, "copy": 8, "add_": 12}
+
+
+def test_gpu_stall_cpu_smoke(tmp_path: pathlib.Path) -> None:
+    """``gpu_stall.py --device cpu --quick``, both accumulation modes: one JSON line per row, traffic per the cost
+    model (about 10 s; the GPU sizes run in scripts/gpu_checks.sh)."""
+    out = tmp_path / "gpu_stall.jsonl"
+    process = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "gpu_stall.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--configs",
+            "zenflow-device",
+            "zenflow-host",
+            "--compute-ms",
+            "1",
+            "--warmup-steps",
+            "4",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=ROOT,
+    )
+    assert process.returncode == 0, f"gpu_stall failed:\n{process.stdout[-4000:]}\n{process.stderr[-4000:]}"
+    assert "stall %" in process.stdout
+    header, *rows, footer = [json.loads(line) for line in out.read_text().splitlines()]
+    assert header["kind"] == "header"
+    check_machine(header["machine"])
+    for key in ("dev_shm_bytes", "ulimit_l", "cores_available"):
+        assert key in header["machine"], key
+    assert [row["name"] for row in rows] == ["zenflow-device", "zenflow-host"]
+    assert footer == {"kind": "footer", "rows": ["zenflow-device", "zenflow-host"], "failures": []}
+    matrix_elements = 4 * 256 * 128  # --quick: four [256, 128] fp32 matrices
+    host_columns = 128 - math.ceil(0.1 * 128)
+    # per step and matrix element: device mode copies the fp32 accumulator down once per window of 4, host mode
+    # the unselected columns at every step; both copy the fp32 weights up once per window
+    for row, d2h_per_element in ((rows[0], 4 / 4), (rows[1], 4 * host_columns / 128)):
+        assert row["accumulate_on"] == row["name"].removeprefix("zenflow-")
+        assert row["measured_steps"] % 4 == 0, "whole windows are timed"
+        assert len(row["step_s"]) == len(row["stall_s"]) == row["measured_steps"]
+        for key in ("median_step_ms", "p99_over_median", "device_bytes", "host_bytes"):
+            assert positive(row[key]), f"{row['name']}: {key} = {row[key]}"
+        assert 0.0 <= row["stall_share"] <= 1.0
+        assert row["d2h_bytes_per_step"] == pytest.approx(matrix_elements * d2h_per_element)
+        assert row["h2d_bytes_per_step"] == pytest.approx(matrix_elements * 4 / 4)
