@@ -1,20 +1,98 @@
 #!/usr/bin/env bash
-# Every GPU check in one short run (about 6 minutes on one H200): the GPU tests, then the GPU benchmark.
-# Outputs go to $OUT (or ./gpu_out). Needs python3 with a CUDA build of torch and lightning.
+# Every GPU check in one run of at most 8 minutes on one H200. Each step runs under its own `timeout`, cut to what
+# is left of the 8 minutes, and writes into $OUT (or ./gpu_out) as it goes, so a failed or killed step still leaves
+# the results of the others (and its own partial output):
+#
+#   env.txt                   the machine: nvidia-smi, driver, torch and CUDA versions, cores, memory, /dev/shm, ulimit -l
+#   gpu_stall.jsonl / .txt    benchmarks/gpu_stall.py at realistic sizes, ZenFlow rows first (one JSON line per row)
+#   gpu_tests.txt / .xml      every test marked gpu, in every test file (pytest -m gpu)
+#   gpu_stall_trace.json      a torch.profiler Chrome trace of a few ZenFlow steps (open in chrome://tracing, Perfetto)
+#   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each)
+#   steps.txt                 each step's exit status and seconds (124: it hit its timeout)
+#
+# Exit status: 0 when every step passed, 1 otherwise. Needs python with a CUDA build of torch, lightning and pytest
+# ($PYTHON, default python3).
 #
 #   bash scripts/gpu_checks.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_out}"
 mkdir -p "$out"
+python="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 - <<'PY' 2>&1 | tee "$out/env.txt"
-import torch, platform
-print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
-print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
-PY
+deadline=$((SECONDS + 460)) # 8 minutes less a margin: the last step's SIGKILL grace (10 s) and the summary
 status=0
-timeout 240 python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" || status=1
-timeout 330 python3 benchmarks/offload_bench.py --device cuda --out "$out/offload_bench_cuda.json" 2>&1 \
-  | tee "$out/offload_bench_cuda.txt" || status=1
+: >"$out/steps.txt"
+
+# run_step NAME CAP_SECONDS COMMAND...: run COMMAND under `timeout` (at most CAP_SECONDS and what is left before the
+# deadline), output to the terminal and to $out/NAME.txt; record the exit status; never stop the script
+run_step() {
+  local name="$1" cap="$2"
+  shift 2
+  local left=$((deadline - SECONDS))
+  local limit=$((cap < left ? cap : left))
+  if ((limit < 15)); then
+    echo "$name: skipped, no time left" | tee -a "$out/steps.txt"
+    status=1
+    return
+  fi
+  echo "=== $name (timeout ${limit}s): $*"
+  local started=$SECONDS
+  # SIGTERM at the limit (the benchmarks unwind and close their host workers), SIGKILL 10 s later
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "$name: exit $rc after $((SECONDS - started))s (limit ${limit}s)" | tee -a "$out/steps.txt"
+  if ((rc != 0)); then
+    status=1
+  fi
+}
+
+machine() {
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "--- nvidia-smi"
+  timeout 20 nvidia-smi || echo "nvidia-smi failed or is missing"
+  echo "--- nvidia-smi query"
+  timeout 20 nvidia-smi --format=csv \
+    --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current,clocks.max.sm \
+    || echo "nvidia-smi query failed"
+  echo "--- nvidia-smi topo -m"
+  timeout 20 nvidia-smi topo -m || true
+  echo "--- versions"
+  timeout 60 "$python" - <<'PY' || echo "python/torch import failed"
+import platform
+import torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cudnn", torch.backends.cudnn.version())
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
+try:
+    import lightning
+    print("lightning", lightning.__version__)
+except ImportError as error:
+    print("lightning not importable:", error)
+PY
+  echo "--- nproc: $(nproc) (all: $(nproc --all))"
+  echo "--- lscpu"
+  lscpu 2>/dev/null | grep -E '^(Model name|Socket|Core|Thread|NUMA|CPU\(s\))' || true
+  echo "--- free -g"
+  free -g || true
+  echo "--- df -h /dev/shm"
+  df -h /dev/shm || true
+  echo "--- ulimit -l: $(ulimit -l)"
+}
+export -f machine
+export python
+run_step env 90 bash -c machine
+
+run_step gpu_stall 150 "$python" benchmarks/gpu_stall.py --device cuda --budget-s 25 --out "$out/gpu_stall.jsonl"
+
+run_step gpu_tests 200 "$python" -m pytest tests/ -m gpu -q -rs -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
+
+run_step gpu_stall_profile 60 "$python" benchmarks/gpu_stall.py --device cuda --warmup-steps 8 --profile-steps 8 \
+  --profile "$out/gpu_stall_trace.json"
+
+# what is left of the 8 minutes: the ZenFlow row runs first and every row is written as it finishes
+run_step offload_bench_cuda 400 "$python" benchmarks/offload_bench.py --device cuda --no-sweep --warmup-steps 8 \
+  --steps 8 --out "$out/offload_bench_cuda.json"
+
+echo "=== done: $(tr '\n' ';' <"$out/steps.txt")"
 exit $status
