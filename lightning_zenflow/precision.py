@@ -104,14 +104,13 @@ class ZenFlowPrecision(Precision):
             # unscale before the hooks and clipping see the gradients, as Lightning's AMP plugin does
             scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
+        found_inf = None
         if scaler is not None:
-            # one host read of the overflow flag per step (a device sync under 16-mixed only)
-            skip = _found_inf(scaler, optimizer)
+            # the overflow flag stays on the device: the engine skips an overflowed step there (no host read)
+            found_inf = _found_inf(scaler, optimizer)
             scaler.update()
-            if skip:
-                return closure_result
         announce = self.engine.accumulate_on is None
-        self.engine.step()
+        self.engine.step(found_inf)
         if announce:
             # the first step decides where gradients accumulate ("auto" measures the free device memory then)
             rank_zero_info(f"ZenFlow: {self.engine.accumulate_on_reason}.")
@@ -165,7 +164,11 @@ class ZenFlowPrecision(Precision):
         self._inner.teardown()
 
 
-def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``scaler.unscale_(optimizer)`` found inf/NaN gradients (then the step is skipped on both sides)."""
-    per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    return any(bool(flag.item()) for flag in per_device.values())
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The overflow flag ``scaler.unscale_(optimizer)`` left (a device scalar, 1.0 when a gradient is inf/NaN);
+    read on the device by the engine, never on the host."""
+    per_device = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    flag = per_device[0]
+    for other in per_device[1:]:
+        flag = flag + other.to(flag.device)
+    return flag.clamp(max=1.0)

@@ -253,3 +253,112 @@ def test_python_dash_c_trains(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "trained 3" in result.stdout
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_an_overflowed_step_is_skipped_on_the_device_without_a_host_read(accumulate_on):
+    """16-mixed: ``step(found_inf=...)`` with the flag set leaves device state and counts alone, and the host
+    update of the window is AdamW on the mean of the other gradients (every matrix on the host: rho = 0)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4)
+    initial = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    grads = [{name: torch.randn_like(p) for name, p in layer.named_parameters()} for _ in range(4)]
+    grads[1] = {name: torch.full_like(p, float("nan")) for name, p in layer.named_parameters()}
+    flags = [0.0, 1.0, 0.0, 0.0]
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
+    config = ZenFlowConfig(topk_ratio=0.0, update_interval=4, overlap_step=False, accumulate_on=accumulate_on)
+    with ZenFlowEngine(opt, config, param_names={p: n for n, p in layer.named_parameters()}) as engine:
+        for step_grads, flag in zip(grads, flags):
+            for name, param in layer.named_parameters():
+                param.grad = step_grads[name].clone()
+            engine.step(found_inf=torch.tensor(flag))
+        saved = engine.state_dict()["params"]
+    kept = [g for g, flag in zip(grads, flags) if not flag]
+    # the weight: one host AdamW step on the mean of the three kept gradients
+    weight = nn.Parameter(initial["weight"].clone())
+    weight.grad = sum(g["weight"] for g in kept) / 3
+    torch.optim.AdamW([weight], lr=1e-2, weight_decay=0.1).step()
+    # the bias (device-only): three device AdamW steps, the overflowed one skipped
+    bias = nn.Parameter(initial["bias"].clone())
+    bias_opt = torch.optim.AdamW([bias], lr=1e-2, weight_decay=0.1)
+    for g in kept:
+        bias.grad = g["bias"].clone()
+        bias_opt.step()
+    torch.testing.assert_close(layer.weight.detach(), weight.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(layer.bias.detach(), bias.detach(), atol=1e-6, rtol=1e-5)
+    assert (saved["weight"]["host_step"], saved["bias"]["device_step"]) == (1, 3)
+    assert all(torch.isfinite(entry["exp_avg_sq"]).all() for entry in saved.values())
+
+
+def test_a_window_whose_every_gradient_overflowed_changes_nothing():
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4)
+    initial = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    config = ZenFlowConfig(topk_ratio=0.25, update_interval=2, overlap_step=False)
+    with ZenFlowEngine(opt, config, param_names={p: n for n, p in layer.named_parameters()}) as engine:
+        for _ in range(2):
+            for param in layer.parameters():
+                param.grad = torch.full_like(param, float("inf"))
+            engine.step(found_inf=torch.tensor(1.0))
+        saved = engine.state_dict()["params"]
+    for name, param in layer.named_parameters():
+        assert torch.equal(param.detach(), initial[name]), name
+    assert (saved["weight"]["host_step"], saved["weight"]["device_step"], saved["bias"]["device_step"]) == (0, 0, 0)
+
+
+def _resume_run(mode: str, steps: range, model: nn.Module, state: dict | None, snapshot_at: int | None):
+    """Train ``model`` (bf16) over ``steps`` with a fresh engine (restored from ``state`` if given); returns the
+    weights after each step, the state taken at ``snapshot_at`` (with a model copy) and the final weights."""
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[3].weight], "weight_decay": 0.1},
+            {"params": [model[0].bias, model[2].weight, model[2].bias, model[3].bias], "lr": 3e-3},
+        ],
+        lr=1e-2,
+    )
+    config = ZenFlowConfig(
+        topk_ratio=0.25,
+        update_interval=3,
+        full_warm_up_rounds=1,
+        select_strategy="step",
+        select_interval=6,
+        accumulate_on=mode,
+    )
+    history, snapshot = {}, None
+    names = {param: name for name, param in model.named_parameters()}
+    with ZenFlowEngine(opt, config, param_names=names, host_delay_s=0.05) as engine:
+        if state is not None:
+            engine.load_state_dict(state)
+        for t in steps:
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 / (1.0 + 0.1 * t)
+            generator = torch.Generator().manual_seed(t)
+            x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 5, generator=generator)
+            engine.wait_for_update()
+            nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y).backward()
+            engine.step()
+            opt.zero_grad()
+            history[t] = copy.deepcopy(model.state_dict())
+            if t == snapshot_at:
+                snapshot = (copy.deepcopy(engine.state_dict()), copy.deepcopy(model))
+        engine.flush()
+        history["final"] = copy.deepcopy(model.state_dict())
+    return history, snapshot
+
+
+@pytest.mark.parametrize(("saved_in", "resumed_in"), [("device", "host"), ("host", "device"), ("host", "host")])
+def test_bf16_resume_with_a_host_update_pending_is_bitwise_across_modes(saved_in, resumed_in):
+    """A snapshot after step 5 (warm-up 1, S 3: windows end at steps 4 and 7): mid-window, the update of the window
+    that ended at step 4 computed and not applied; on load its staged bf16 weights are rebuilt from the master,
+    and the open window's sum and counts move into the other mode's accumulator."""
+    uninterrupted, snapshot = _resume_run(saved_in, range(1, 13), _net(torch.bfloat16), None, snapshot_at=5)
+    state, model_copy = snapshot
+    assert state["progress"]["steps_in_window"] == 1
+    assert state["progress"]["pending"] is not None, "the snapshot must hold a computed, unapplied host update"
+    assert model_copy[0].weight.dtype == torch.bfloat16
+    resumed, _ = _resume_run(resumed_in, range(6, 13), model_copy, state, snapshot_at=None)
+    for key in [*range(6, 13), "final"]:
+        for name, value in uninterrupted[key].items():
+            assert torch.equal(resumed[key][name], value), f"{name} after step {key}"
+    assert not torch.equal(uninterrupted["final"]["0.weight"], uninterrupted[1]["0.weight"])

@@ -16,12 +16,13 @@ import weakref
 
 import pytest
 import torch
+import worker_fakes
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import HostWorkerError, ZenFlowEngine, choose_update_interval
 from lightning_zenflow.engine import schedule as schedule_module
 from lightning_zenflow.engine.device import HyperParams
-from lightning_zenflow.engine.host import GroupJob, MatrixExtent, host_adam_update
+from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec, host_adam_update
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
@@ -374,7 +375,8 @@ def test_choose_update_interval_rule():
 
 def test_auto_update_interval_grows_for_a_host_heavy_workload(monkeypatch):
     """topk_ratio=0: the device step only adds a 2M-element gradient into the accumulator, while the host runs a
-    full AdamW over it: the host update is several device steps long, so "auto" must widen the window past 4."""
+    full AdamW over it and, to leave no doubt on a fast or busy machine, sleeps 40 ms inside its timed region (a
+    slow host, as "auto" sees it): the host update is many device steps long, so "auto" must widen the window."""
     decisions = []
 
     def spy(host_update_s: float, device_step_s: float) -> int:
@@ -387,7 +389,8 @@ def test_auto_update_interval_grows_for_a_host_heavy_workload(monkeypatch):
     weight.grad = torch.randn_like(weight)
     optimizer = torch.optim.AdamW([weight], lr=1e-3)
     stats = []
-    with ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=0.0, update_interval="auto")) as engine:
+    config = ZenFlowConfig(topk_ratio=0.0, update_interval="auto")
+    with ZenFlowEngine(optimizer, config, host_delay_s=0.04) as engine:
         # run until two windows after the decision at step 8 have closed (S <= 64, so at most 8 + 128 steps)
         while len(stats) < 8 + 2 * 64 and sum(s.window_end for s in stats[8:]) < 2:
             stats.append(engine.step())
@@ -450,3 +453,71 @@ def test_bind_cores_pins_both_sides_and_close_restores():
     _assert_no_worker_left(pid)
     assert os.sched_getaffinity(0) == affinity_before
     assert torch.get_num_threads() == threads_before
+
+
+# ------------------------------------------------------------------------------------ protocol error paths
+def _spec() -> WorkerSpec:
+    return WorkerSpec(
+        blocks=(torch.zeros(5, 4).share_memory_(),),
+        steps=(torch.zeros(1).share_memory_(),),
+        extents=((MatrixExtent(0, 4, torch.float32, 4, 0),),),
+        heartbeat=torch.zeros(1, dtype=torch.float64).share_memory_(),
+        threads=1,
+        cores=None,
+    )
+
+
+def _job() -> GroupJob:
+    hparams = HyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    return GroupJob(hparams=hparams, active=(0,), mean_divisors=(1.0,))
+
+
+def _children() -> set[int]:
+    return {child.pid for child in multiprocessing.active_children()}
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (worker_fakes.never_ready, "did not start within 3 s"),
+        (worker_fakes.says_hello, "sent 'hello' instead of 'ready'"),
+    ],
+)
+def test_a_worker_that_does_not_start_properly_is_an_error_and_is_stopped(target, message):
+    before = _children()
+    with pytest.raises(HostWorkerError, match=message):
+        HostWorker(_spec(), timeout_s=10.0, start_timeout_s=3.0, target=target)
+    assert _children() <= before, "the failed worker must not be left running"
+
+
+def test_an_answer_to_the_wrong_update_is_a_protocol_error():
+    worker = HostWorker(_spec(), timeout_s=10.0, target=worker_fakes.answers_the_wrong_update)
+    try:
+        worker.submit(0, [_job()])
+        with pytest.raises(HostWorkerError, match=r"protocol error: expected \('done', 1\)"):
+            worker.wait()
+    finally:
+        worker.close()
+    assert worker.process is None
+
+
+def test_a_worker_that_exits_mid_update_is_reported_with_its_exit_status():
+    worker = HostWorker(_spec(), timeout_s=10.0, target=worker_fakes.exits_on_update)
+    try:
+        worker.submit(0, [_job()])
+        with pytest.raises(HostWorkerError, match="died with exit code 0"):
+            worker.wait()
+    finally:
+        worker.close()
+
+
+def test_a_second_submit_while_one_is_in_flight_is_refused():
+    worker = HostWorker(_spec(), timeout_s=10.0)
+    try:
+        worker.submit(0, [_job()])
+        with pytest.raises(HostWorkerError, match="already in flight"):
+            worker.submit(1, [_job()])
+        assert worker.wait() >= 0.0
+        assert worker.poll() is None  # nothing in flight any more
+    finally:
+        worker.close()

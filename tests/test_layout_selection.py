@@ -202,12 +202,12 @@ def test_host_and_device_bytes_per_matrix_parameter_for_a_one_million_parameter_
     assert host_bytes == HOST_BYTES_PER_ELEMENT * n_matrix + 8 * 1024 + 4 + staging
     assert all(s.host_bytes == host_bytes for s in stats)
     # device: rho x 16 B per matrix element (fp32 master, two moments and a reused gradient buffer of the k
-    # selected columns), the column indices, the bias's two moments and work buffer; then per mode: an fp32
+    # selected columns), the column indices, the bias's two moments; then per mode: an fp32
     # accumulator and an fp32 upload buffer of the whole matrix (device), or the two staging slots (host)
     k = num_selected_columns(1024, 0.1)
     assert k == 103
     selected_state = 16 * 1024 * k + 8 * 1024
-    bias_state = 3 * 4 * 1024
+    bias_state = 2 * 4 * 1024  # its two moments; the fp32 bias is its own master
     mode_bytes = 8 * n_matrix if accumulate_on == "device" else 2 * 4 * n_matrix
     assert device_bytes == selected_state + bias_state + mode_bytes
     assert all(s.device_bytes == device_bytes for s in stats)
@@ -223,7 +223,7 @@ def test_device_bytes_count_an_fp32_bias_as_its_own_master():
         layer.bias.grad = torch.ones_like(layer.bias)
         engine.step()
         device_bytes = engine.device_bytes()
-    work_buffers = 4 * (8 + 2)  # reused fp32 work buffers: the selected gradient, the bias's denominators
+    work_buffers = 4 * 8  # the reused fp32 buffer the selected gradient is gathered into
     weight_state = 3 * 4 * 8  # fp32 master, exp_avg, exp_avg_sq of the 8 weight elements
     indices = 8 * 4  # int64 selected column indices (4), no unselected ones
     bias_state = 2 * 4 * 2  # exp_avg and exp_avg_sq of the 2 bias elements; the fp32 bias is its own master

@@ -9,7 +9,6 @@ training thread never waits for it on the host.
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,37 +48,39 @@ def adam_update_(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
-    steps: Sequence[int],
+    steps: list[torch.Tensor],
     hp: HyperParams,
-    work: list[torch.Tensor] | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam/AdamW step, in place, on fp32 tensors; ``steps`` are the counts *after* this update.
+    """One Adam/AdamW step, in place, on fp32 tensors of one device, with torch's fused kernel (the kernel of
+    ``torch.optim.AdamW(fused=True)``). ``steps``: fp32 scalar count tensors on the same device, incremented here.
 
-    The arithmetic is torch's multi-tensor AdamW (non-capturable), so it matches ``torch.optim.AdamW``.
-    ``work``: optional buffers shaped like ``masters`` for the denominators (they may be the gradients
-    themselves, which are consumed by then), so nothing is allocated.
+    ``found_inf`` (16-mixed): a device scalar, 1.0 when this step's gradients overflowed. The kernel then leaves
+    masters and moments untouched and the counts are decremented back, all on the device: no host read.
     """
     if not masters:
         return
-    if hp.weight_decay != 0.0:
-        if hp.decoupled:
-            torch._foreach_mul_(masters, 1.0 - hp.lr * hp.weight_decay)
-        else:
-            grads = torch._foreach_add(grads, masters, alpha=hp.weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - hp.beta1)
-    torch._foreach_mul_(exp_avg_sqs, hp.beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - hp.beta2)
-    step_sizes = [-hp.lr / (1.0 - hp.beta1**step) for step in steps]
-    bias_correction2_sqrt = [math.sqrt(1.0 - hp.beta2**step) for step in steps]
-    if work is None:
-        denominators = torch._foreach_sqrt(exp_avg_sqs)
-    else:
-        torch._foreach_copy_(work, exp_avg_sqs)
-        torch._foreach_sqrt_(work)
-        denominators = work
-    torch._foreach_div_(denominators, bias_correction2_sqrt)
-    torch._foreach_add_(denominators, hp.eps)
-    torch._foreach_addcdiv_(masters, exp_avgs, denominators, step_sizes)
+    torch._foreach_add_(steps, 1.0)
+    fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
+    fused(
+        masters,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=hp.lr,
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        weight_decay=hp.weight_decay,
+        eps=hp.eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=None,
+        found_inf=found_inf,
+    )
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 @dataclass
@@ -88,11 +89,19 @@ class DeviceOnlyState:
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: int = 0
+    step_count: torch.Tensor
+    """How many device updates this parameter has had: an fp32 scalar on the device."""
     separate_master: bool = True
     """False when the parameter is fp32 and is its own master (no copy, no write-back)."""
-    scratch: torch.Tensor | None = None
-    """A reused fp32 work buffer for the denominators (no allocation per step)."""
+
+    @property
+    def step(self) -> int:
+        """The count as an int (a device read: checkpoints only)."""
+        return int(self.step_count.item())
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.step_count.fill_(float(value))
 
 
 @dataclass
@@ -110,9 +119,19 @@ class SelectedState:
     """``[rows, k]`` fp32."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    step: int = 0
+    step_count: torch.Tensor
+    """How many device updates this matrix has had: an fp32 scalar on the device (read back at checkpoints)."""
     scratch: torch.Tensor | None = None
     """The reused ``[rows, k]`` fp32 buffer the selected gradient is gathered into."""
+
+    @property
+    def step(self) -> int:
+        """The count as an int (a device read: checkpoints only)."""
+        return int(self.step_count.item())
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.step_count.fill_(float(value))
 
     @property
     def k(self) -> int:
@@ -143,8 +162,8 @@ class DeviceUpdater:
                         master=master,
                         exp_avg=torch.zeros_like(master),
                         exp_avg_sq=torch.zeros_like(master),
+                        step_count=torch.zeros((), dtype=torch.float32, device=self.device),
                         separate_master=separate_master,
-                        scratch=torch.empty_like(master),
                     )
                 )
             self.device_only.append(states)
@@ -152,7 +171,7 @@ class DeviceUpdater:
             [self.empty_selection(slot) for slot in group.matrices] for group in layout
         ]
 
-    def empty_selection(self, slot: MatrixSlot, step: int = 0) -> SelectedState:
+    def empty_selection(self, slot: MatrixSlot) -> SelectedState:
         empty = torch.empty(slot.rows, 0, dtype=torch.float32, device=self.device)
         return SelectedState(
             slot=slot,
@@ -162,7 +181,7 @@ class DeviceUpdater:
             master=empty,
             exp_avg=empty.clone(),
             exp_avg_sq=empty.clone(),
-            step=step,
+            step_count=torch.zeros((), dtype=torch.float32, device=self.device),
         )
 
     def matrix_states(self) -> list[SelectedState]:
@@ -178,45 +197,41 @@ class DeviceUpdater:
         self.update_done.record(self.lanes.side)
         self.lanes.compute_waits(self.update_done)
 
-    def update(self, hparams: Sequence[HyperParams]) -> None:
+    def update(self, hparams: Sequence[HyperParams], found_inf: torch.Tensor | None = None) -> None:
         """One device step for every group: device-only parameters and the selected columns of matrices.
 
-        Reads ``param.grad``; issue inside ``lanes.on(lanes.side)``.
+        Reads ``param.grad``; issue inside ``lanes.on(lanes.side)``. ``found_inf``: see :func:`adam_update_`.
         """
         side = self.lanes.side
         if side is not None:
             timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timing[0].record(side)
         for group_index, hp in enumerate(hparams):
-            masters, grads, exp_avgs, exp_avg_sqs, steps, work = [], [], [], [], [], []
+            masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
             for state in self.device_only[group_index]:
                 if state.param.grad is None:
                     continue
                 grad = state.param.grad
                 # made on the compute stream, read on the side stream: keep it alive past zero_grad
                 self.lanes.keep_for(grad, side)
-                state.step += 1
                 masters.append(state.master)
                 grads.append(grad.float())
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
-                steps.append(state.step)
-                work.append(state.scratch)
+                steps.append(state.step_count)
             selected_states = []
             for state in self.selected[group_index]:
                 if state.k == 0 or state.slot.param.grad is None:
                     continue
                 grad = state.slot.param.grad
                 self.lanes.keep_for(grad, side)
-                state.step += 1
                 masters.append(state.master)
                 grads.append(self._gather_selected(state, grad.view(state.slot.rows, state.slot.cols)))
-                work.append(state.scratch)  # the gradient is consumed before the denominators are made
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
-                steps.append(state.step)
+                steps.append(state.step_count)
                 selected_states.append(state)
-            adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp, work)
+            adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp, found_inf)
             for state in self.device_only[group_index]:
                 if state.separate_master:
                     state.param.data.copy_(state.master)
@@ -260,7 +275,6 @@ class DeviceUpdater:
         for group_states in self.device_only:
             for state in group_states:
                 total += state.exp_avg.nbytes * (3 if state.separate_master else 2)
-                total += state.scratch.nbytes if state.scratch is not None else 0
         for group_states in self.selected:
             for state in group_states:
                 total += state.master.nbytes * 3 + state.selected.nbytes + state.unselected.nbytes

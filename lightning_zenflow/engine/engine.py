@@ -13,6 +13,7 @@ CPU and CUDA run the same code: only :class:`~lightning_zenflow.engine.streams.L
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import statistics
 import time
@@ -165,6 +166,12 @@ class ZenFlowEngine:
         self._pinned: list[torch.Tensor] = []
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
         self.helper = Helper(self.lanes)
+        # per matrix (layout order): gradients the open window kept (16-mixed skips an overflowed one on the
+        # device, unknown to the host); copied down with the window, they are the worker's mean divisors
+        n_matrices = sum(len(g.matrices) for g in self.layout)
+        self._kept_device = torch.zeros(n_matrices, dtype=torch.float32, device=self.device)
+        self._kept_host = [self.lanes.empty_host(n_matrices, torch.float32) for _ in range(2)]
+        self._kept_copied = [self.lanes.event() for _ in range(2)]
         self._worker: HostWorker | None = None
         self._started = True
         try:
@@ -278,8 +285,13 @@ class ZenFlowEngine:
         self.close()
 
     # ------------------------------------------------------------------------------------------------ the step
-    def step(self) -> StepStats:
-        """One optimizer step with the current ``.grad`` of every parameter (already unscaled and clipped)."""
+    def step(self, found_inf: torch.Tensor | None = None) -> StepStats:
+        """One optimizer step with the current ``.grad`` of every parameter (already unscaled and clipped).
+
+        ``found_inf`` (16-mixed): the loss scaler's overflow flag, a device scalar. When it is 1 the step is skipped
+        on the device without a host read: no device update, no count, and the gradient adds nothing to the
+        window and is not counted in its mean (the step still advances the schedule; see docs/update_rule.md).
+        """
         self._require_started()
         self.helper.raise_failures()
         if self.accumulation is None:
@@ -299,13 +311,16 @@ class ZenFlowEngine:
         updater.begin_step()
         device_started = time.perf_counter()
         states = updater.matrix_states()
+        if found_inf is not None:
+            found_inf = found_inf.reshape(()).to(device=self.device, dtype=torch.float32)
         with self.lanes.on(self.lanes.side, "side"), torch.profiler.record_function("zenflow.device_update"):
-            updater.update(hparams)
+            updater.update(hparams, found_inf)
             if plan.warm_up:
                 # a warm-up step updates every column: it counts as an update on both sides
                 for state in states:
                     if state.slot.param.grad is not None:
-                        state.step += 1
+                        state.step_count.add_(1.0 if found_inf is None else 1.0 - found_inf)
+            self._count_kept(states, plan.first_in_window, found_inf)
         with torch.profiler.record_function("zenflow.accumulate"):
             stalled_before = self._accumulation_stall()
             with self.lanes.on(self.lanes.side):
@@ -414,6 +429,28 @@ class ZenFlowEngine:
         return getattr(self.accumulation, "stall_s", 0.0)
 
     # ------------------------------------------------------------------------------------------------ windows
+    def _count_kept(self, states, first_in_window: bool, found_inf: torch.Tensor | None) -> None:
+        """Side stream: count this step's gradients into the window's kept counts (an overflowed 16-mixed step
+        counts nothing) and, under 16-mixed, zero the host-bound gradients of an overflowed step in place."""
+        if first_in_window:
+            # the last window's counts must have been copied down before they are overwritten (GPU-side wait)
+            Lanes.stream_waits(self.lanes.side, self._kept_copied[self.schedule.slot])
+            self._kept_device.zero_()
+        present = [i for i, state in enumerate(states) if state.slot.param.grad is not None]
+        keep = 1.0 if found_inf is None else 1.0 - found_inf
+        if len(present) == len(states):
+            self._kept_device.add_(keep)
+        elif present:
+            index = torch.tensor(present, device=self.device)
+            self._kept_device.index_add_(0, index, torch.ones(len(present), device=self.device) * keep)
+        if found_inf is not None:
+            flag = found_inf.bool()
+            for state in states:
+                grad = state.slot.param.grad
+                if grad is not None and state.k < state.slot.cols:
+                    # one pass over the gradient, 16-mixed only: an overflowed step must add zeros, not inf/NaN
+                    grad.masked_fill_(flag, 0.0)
+
     def _close_window(self, hparams: list[HyperParams], overlap: bool) -> None:
         slot = self.schedule.slot
         counts = self.schedule.close_window()
@@ -423,6 +460,13 @@ class ZenFlowEngine:
         active = [list(job.active) for job in jobs]
         if any(active):
             ready = self.accumulation.finish_window(slot, active, self.uploads.source_read)
+            lanes = self.lanes
+            # the window's kept counts go down on the d2h stream after the side stream's last count (GPU-side)
+            if lanes.d2h is not None:
+                lanes.d2h.wait_stream(lanes.side)
+            with lanes.on(lanes.d2h):
+                self._kept_host[slot].copy_(self._kept_device, non_blocking=lanes.is_cuda)
+                self._kept_copied[slot].record(lanes.d2h)
             # after this window's adds on the helper thread (host mode), once its copy down has landed (device
             # mode) and the last upload has read the host master (the worker rewrites it)
             self._launch_future = self.helper.submit(self._launch, slot, jobs, ready)
@@ -434,10 +478,19 @@ class ZenFlowEngine:
     def _launch(self, slot: int, jobs: list[GroupJob], ready) -> None:
         if self._worker is None:
             raise RuntimeError("internal error: host work was scheduled but no host worker is running.")
-        # helper-thread waits: the accumulator's copy down has landed; the last upload has read its host source
+        # helper-thread waits: the accumulator and the kept counts have landed; the last upload has read its
+        # host source
         ready.synchronize()
+        self._kept_copied[slot].synchronize()
         self.uploads.source_read.synchronize()
-        self._worker.submit(slot, jobs)
+        kept = self._kept_host[slot].tolist()
+        first = 0
+        with_divisors = []
+        for group, job in zip(self.layout, jobs):
+            divisors = tuple(float(kept[first + i]) for i in job.active)
+            with_divisors.append(dataclasses.replace(job, mean_divisors=divisors))
+            first += len(group.matrices)
+        self._worker.submit(slot, with_divisors)
 
     def _host_jobs(self, hparams: list[HyperParams], counts: list[list[int]]) -> list[GroupJob]:
         """Per group: the matrices with columns on the host that got gradients in the window, and how many."""
@@ -517,6 +570,11 @@ class ZenFlowEngine:
         self._timed_wait(self._await_pending)
         self._timed_wait(self._drain_helper)
         self.lanes.synchronize()
+        kept, first = self._kept_device.tolist(), 0
+        self.schedule.window_kept = []
+        for group in self.layout:
+            self.schedule.window_kept.append([int(k) for k in kept[first : first + len(group.matrices)]])
+            first += len(group.matrices)
 
     # ---------------------------------------------------------------------------------------------- selection
     def _refresh_period(self, steps_per_epoch: int | None) -> int | None:
@@ -671,7 +729,11 @@ class ZenFlowEngine:
         return sums
 
     def restore_window_sums(self, sums: Mapping[str, torch.Tensor]) -> None:
-        """Put saved window sums back (before the first step: kept until the accumulation mode is chosen)."""
+        """Put saved window sums back (before the first step: kept until the accumulation mode is chosen), and the
+        window's kept counts from the restored schedule."""
+        if self.schedule.window_kept is not None:
+            flat = [float(k) for group in self.schedule.window_kept for k in group]
+            self._kept_device.copy_(torch.tensor(flat, dtype=torch.float32))
         if self.accumulation is None:
             self._restored_window_sums = dict(sums)
         else:

@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -65,7 +65,8 @@ class GroupJob:
     """Indices (within the group) of the matrices that have columns on the host and got gradients."""
     mean_divisors: tuple[float, ...]
     """For each active matrix, what turns its accumulator into the window's mean gradient: the accumulator holds
-    the sum of the window's gradients, so the divisor is their count (the fused kernel divides as it reads)."""
+    the sum of the window's gradients, so the divisor is their count (the fused kernel divides as it reads).
+    0 when every one of them was skipped (16-mixed overflow): the matrix is not updated, only staged."""
     packed_columns: tuple[int, ...] | None = None
     """``accumulate_on="host"``: per active matrix, how many columns its accumulator holds packed (``[rows, n]``
     contiguous, the columns listed in the spec's ``unselected`` buffer); None: whole ``[rows, cols]`` rows."""
@@ -152,8 +153,9 @@ def host_adam_update(
         unpack_accumulators(grad_acc, extents, job, unselected, scratch)
     hp = job.hparams
     fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
-    # one fused call per distinct divisor; grad_scale (an extra division per element) only when it is not 1
-    for divisor in sorted(set(job.mean_divisors)):
+    # one fused call per distinct divisor; grad_scale (an extra division per element) only when it is not 1.
+    # A divisor of 0: every gradient of the window was skipped (16-mixed overflow): no update, staging only.
+    for divisor in sorted(set(job.mean_divisors) - {0.0}):
         params, grads, exp_avgs, exp_avg_sqs, state_steps = [], [], [], [], []
         for index, matrix_divisor in zip(job.active, job.mean_divisors):
             if matrix_divisor != divisor:
@@ -195,10 +197,11 @@ def host_adam_update(
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGTERM if the main process dies (a SIGKILLed trainer must not leave this worker behind)."""
+    """Linux: get SIGKILL if the main process dies (a SIGKILLed trainer must not leave this worker behind).
+    SIGKILL, since this worker ignores SIGTERM (see :func:`worker_main`)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the pipe's EOF still ends the worker once it is idle
 
@@ -211,8 +214,10 @@ def _heartbeat(heartbeat: torch.Tensor, stop: threading.Event) -> None:
 
 def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
     """Entry point of the spawned worker process."""
-    # Ctrl-C reaches the whole process group: the main process handles it and stops this worker cleanly
+    # Ctrl-C reaches the whole process group, and so does a cluster's SIGTERM (SLURM signals every process of the
+    # job): the main process handles both (Lightning saves, if asked, then tears down) and stops this worker itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
@@ -278,7 +283,15 @@ class HostWorker:
     """The main-process handle of the worker: start, submit, wait, close. Not thread-safe by design:
     one thread talks to it."""
 
-    def __init__(self, spec: WorkerSpec, timeout_s: float, start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        timeout_s: float,
+        start_timeout_s: float = 120.0,
+        target: Callable[[multiprocessing.connection.Connection, WorkerSpec], None] | None = None,
+    ) -> None:
+        """Spawn the worker and wait for its "ready". ``target``: test hook, another entry point (a module-level
+        function) to exercise the protocol's error paths."""
         self._timeout_s = timeout_s
         self._seq = 0
         self._in_flight: int | None = None
@@ -287,7 +300,9 @@ class HostWorker:
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._heartbeat = spec.heartbeat
         self._heartbeat[0] = time.monotonic()
-        self._process = ctx.Process(target=worker_main, args=(child_conn, spec), name="zenflow-host", daemon=True)
+        self._process = ctx.Process(
+            target=target or worker_main, args=(child_conn, spec), name="zenflow-host", daemon=True
+        )
         # the child inherits the environment at start: tell the package's __init__ to skip importing Lightning
         previous = os.environ.get(WORKER_ENV)
         os.environ[WORKER_ENV] = "1"
@@ -301,11 +316,14 @@ class HostWorker:
                 os.environ[WORKER_ENV] = previous
         child_conn.close()
         # start-up imports torch in the child (seconds): wait for its "ready", bounded
-        message = self._receive(start_timeout_s)
+        try:
+            message = self._receive(start_timeout_s)
+            if message[0] != "ready":
+                raise HostWorkerError(f"host worker sent {message[0]!r} instead of 'ready' at start-up.")
+        except BaseException:
+            self.close()  # a worker that failed to start is stopped, never left behind
+            raise
         self._heartbeat[0] = time.monotonic()  # start-up is over: from now on the worker's own beat counts
-        if message[0] != "ready":
-            self.close()
-            raise HostWorkerError(f"host worker sent {message[0]!r} instead of 'ready' at start-up.")
         self.pid: int = message[1]
 
     @property

@@ -134,7 +134,7 @@ def migrate(
                 selected=plan.new_selected.to(device),
                 unselected=keep.nonzero().flatten().to(device),
                 selected_host=plan.new_selected.clone(),
-                step=state.step,
+                step_count=state.step_count,
                 **new_tensors,
             )
             updater.selected[state.slot.group_index][state.slot.index_in_group] = replacement

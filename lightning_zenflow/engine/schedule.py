@@ -64,6 +64,9 @@ class Schedule:
     pending: PendingUpdate | None = None
     last_select_t: int | None = None
     selections: int = 0
+    window_kept: list[list[int]] | None = None
+    """Per group, per matrix: gradients the open window kept (the device counts them, since a 16-mixed overflow
+    is known only there); filled from the device when a checkpoint is taken, None otherwise."""
     last_hparams: list[dict] | None = None
     """The hyperparameters (per group, as dicts) of the last step: ``flush()`` closes a partial window with them."""
     _shape: tuple[int, ...] = field(default=(), repr=False)
@@ -159,6 +162,8 @@ class Schedule:
         self.last_select_t = None if state["last_select_t"] is None else int(state["last_select_t"])
         self.selections = int(state["selections"])
         self.last_hparams = state["last_hparams"]
+        kept = state.get("window_kept")
+        self.window_kept = [list(map(int, k)) for k in kept] if kept is not None else None
         self.interval = int(state["interval"]) if keep_interval is None else keep_interval
         self.interval_decided = bool(state["interval_decided"]) or keep_interval is not None
 
