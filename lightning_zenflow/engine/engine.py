@@ -28,6 +28,7 @@ from lightning_zenflow.engine.device import DeviceUpdater, HyperParams
 from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec
 from lightning_zenflow.engine.layout import GroupHostBuffers, allocate_host_buffers, build_layout
 from lightning_zenflow.engine.migrate import migrate
+from lightning_zenflow.engine.preflight import check_host_resources
 from lightning_zenflow.engine.schedule import (
     AUTO_INITIAL_INTERVAL,
     AUTO_MARGIN,
@@ -158,6 +159,7 @@ class ZenFlowEngine:
         if self._started:
             return self
         self.lanes = Lanes(self.device, self._stage_delays)
+        check_host_resources(self.layout, self.device)  # shared memory and RAM first: one clear error if short
         self.host_buffers: list[GroupHostBuffers] = allocate_host_buffers(self.layout)
         # per group: each matrix's host-bound column indices, for the worker to unpack host-mode accumulators
         self.unselected_shared = [

@@ -16,6 +16,7 @@ the device copies them from there (one model-dtype copy per window instead of an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -145,19 +146,39 @@ class GroupHostBuffers:
         return self.block_shared[ROW_GRAD_ACC + slot]
 
 
+def shared_zeros(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero tensor allocated directly in shared memory.
+
+    ``torch.zeros(...).share_memory_()`` builds the tensor in private memory and then copies it into a new shared
+    segment: twice its size at the peak, and every page touched twice. Here the segment is created first (torch
+    reserves all of its pages at once, so a full ``/dev/shm`` fails now rather than at a later page fault) and the
+    tensor is a view of it; a new segment reads as zeros, so nothing is written.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+
+
 def allocate_host_buffers(layout: Sequence[GroupLayout]) -> list[GroupHostBuffers]:
     """Allocate every group's host block in shared memory and fill the master with the current weights.
 
     Shared memory first, then (on CUDA) pinned in place by the caller: ``pin_memory()`` would copy, and
-    ``pin_memory().share_memory_()`` silently loses the pinning.
+    ``pin_memory().share_memory_()`` silently loses the pinning. The engine checks beforehand that the machine
+    has room (``engine/preflight.py``); if the allocation fails anyway, the error says how much was needed.
     """
     buffers = []
     for group in layout:
-        block_shared = torch.zeros(HOST_ROWS, group.host_numel, dtype=torch.float32).share_memory_()
-        step_shared = torch.zeros(len(group.matrices), dtype=torch.float32).share_memory_()
+        try:
+            block_shared = shared_zeros((HOST_ROWS, group.host_numel))
+            step_shared = shared_zeros((len(group.matrices),))
+        except RuntimeError as error:
+            from lightning_zenflow.engine.preflight import shared_memory_error
+
+            needed = sum(HOST_BYTES_PER_ELEMENT * g.host_numel for g in layout)
+            raise shared_memory_error(needed, error) from error
         host = GroupHostBuffers(block_shared=block_shared, step_shared=step_shared)
         for slot in group.matrices:
-            # a blocking device -> host copy, once at start-up
+            # a blocking device -> host copy, once at start-up; the only pages of the block written now
             slot.view2d(host.master).copy_(slot.param.detach().reshape(slot.rows, slot.cols))
         buffers.append(host)
     return buffers

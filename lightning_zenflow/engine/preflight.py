@@ -1,0 +1,262 @@
+"""Before the host state is built: does this machine have room for it? If not, one error with the figures and the fix.
+
+The engine's host state is shared memory (``engine/layout.py``): per param group a ``[5, n]`` fp32 block (20 B per
+matrix element), a step counter per matrix and an 8 B column index per matrix column, plus an 8 B heartbeat. torch
+puts shared memory in ``/dev/shm``, a tmpfs whose pages are RAM, and a container's ``/dev/shm`` is often small
+(Docker's default is 64 MiB). Unchecked, a run that does not fit dies inside torch ("unable to allocate shared
+memory(shm) ... No space left on device") or is killed by the kernel's OOM killer, and nothing says how much it needed.
+
+:func:`check_host_resources` compares, from the layout alone (nothing is allocated yet):
+
+- **shared memory**: the host state against the free space of ``/dev/shm``;
+- **RAM**: the host state plus the fixed buffers of the worker and of host-side accumulation against the memory
+  the machine has available (``MemAvailable``) and, in a container, what its memory cgroup still allows;
+- **pinning** (CUDA only): the host blocks are page-locked in place (``cudaHostRegister``). A soft
+  ``RLIMIT_MEMLOCK`` (``ulimit -l``) below their size is raised to the hard limit; if the hard limit is still below,
+  a warning names both figures and the fix. It is not an error: whether the limit applies to ``cudaHostRegister``
+  depends on the driver and the system, and a hard check would refuse runs that work.
+
+Setting the environment variable ``LIGHTNING_ZENFLOW_SKIP_PREFLIGHT=1`` skips the check (for a machine whose figures
+mislead it, e.g. memory that is overcommitted on purpose).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zenflow.engine.host import UNPACK_SCRATCH_ELEMENTS
+from lightning_zenflow.engine.layout import HOST_BYTES_PER_ELEMENT, GroupLayout
+from lightning_zenflow.engine.transfer import STAGING_SLOT_BYTES
+
+SKIP_ENV = "LIGHTNING_ZENFLOW_SKIP_PREFLIGHT"
+SHM_PATH = "/dev/shm"
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_UNLIMITED_CGROUP = 1 << 60
+"""A cgroup v1 memory limit above this is the kernel's way of saying "no limit"."""
+
+
+class HostResourceError(RuntimeError):
+    """The machine lacks the shared memory or RAM the host state needs; the message gives the figures and the fix."""
+
+
+@dataclass(frozen=True)
+class HostNeeds:
+    """What the engine will allocate on the host, in bytes."""
+
+    shared_bytes: int
+    """Every shared-memory segment of the host state (each rounded up to whole pages)."""
+    ram_bytes: int
+    """``shared_bytes`` plus the worker's unpack scratch and the host-side accumulation staging (an upper bound)."""
+    pinned_bytes: int
+    """What CUDA page-locks in place: the host blocks (0 on the CPU)."""
+    matrix_elements: int
+
+
+@dataclass(frozen=True)
+class MachineResources:
+    """What the machine offers, in bytes; None where it could not be measured (that check is then skipped)."""
+
+    shm_free_bytes: int | None
+    shm_total_bytes: int | None
+    ram_available_bytes: int | None
+    ram_source: str
+    """Where ``ram_available_bytes`` comes from: ``"MemAvailable"`` or the container's memory cgroup."""
+    memlock_soft_bytes: int | None
+    """``RLIMIT_MEMLOCK`` soft limit; None when unlimited."""
+    memlock_hard_bytes: int | None
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
+def host_needs(layout: Sequence[GroupLayout], device: torch.device) -> HostNeeds:
+    """The host bytes the engine will allocate for ``layout``, computed without allocating anything."""
+    shared = _pages(8)  # the worker's heartbeat
+    elements = largest_matrix = 0
+    for group in layout:
+        shared += _pages(HOST_BYTES_PER_ELEMENT * group.host_numel)  # master, two moments, two accumulators
+        shared += _pages(4 * len(group.matrices))  # host step counts
+        shared += _pages(8 * sum(slot.cols for slot in group.matrices))  # host-bound column indices
+        elements += group.host_numel
+        largest_matrix = max([largest_matrix] + [s.numel * s.param.element_size() for s in group.matrices])
+    # accumulate_on="host" (chosen at the first step): two staging slots in the training process; the worker's
+    # scratch for unpacking them. Counted always: an upper bound that is small next to the host state.
+    staging = 2 * min(STAGING_SLOT_BYTES, largest_matrix) + 4 * UNPACK_SCRATCH_ELEMENTS
+    pinned = sum(HOST_BYTES_PER_ELEMENT * g.host_numel for g in layout) if device.type == "cuda" else 0
+    return HostNeeds(
+        shared_bytes=shared,
+        ram_bytes=shared + staging,
+        pinned_bytes=pinned,
+        matrix_elements=elements,
+    )
+
+
+# --------------------------------------------------------------------------------------------- measurements
+def _read_int(path: str) -> int | None:
+    with contextlib.suppress(OSError, ValueError), open(path) as handle:
+        text = handle.read().strip()
+        return None if text == "max" else int(text)
+    return None
+
+
+def _stat_field(path: str, key: str) -> int:
+    with contextlib.suppress(OSError, ValueError), open(path) as handle:
+        for line in handle:
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return 0
+
+
+def _cgroup_headroom() -> int | None:
+    """What the memory cgroup of this process still allows (limit - usage + reclaimable file cache), or None.
+
+    Shared memory pages are charged to the cgroup that touches them, so a container's limit applies to them
+    even when the machine itself has plenty of memory.
+    """
+    headrooms = []
+    # cgroup v2, then v1; inside a container the mount's root is the container's own group
+    for base, limit_file, usage_file, stat_key in (
+        ("/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+        ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    ):
+        limit = _read_int(os.path.join(base, limit_file))
+        usage = _read_int(os.path.join(base, usage_file))
+        if limit is None or usage is None or limit >= _UNLIMITED_CGROUP:
+            continue
+        reclaimable = _stat_field(os.path.join(base, "memory.stat"), stat_key)
+        headrooms.append(max(0, limit - usage + reclaimable))
+    return min(headrooms) if headrooms else None
+
+
+def _mem_available() -> int | None:
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _memlock() -> tuple[int | None, int | None]:
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    unlimited = resource.RLIM_INFINITY
+    return (None if soft == unlimited else soft), (None if hard == unlimited else hard)
+
+
+def measure_machine(shm_path: str = SHM_PATH) -> MachineResources:
+    """Measure free shared memory, available RAM (machine and container) and the locked-memory limits."""
+    shm_free = shm_total = None
+    if torch.multiprocessing.get_sharing_strategy() in ("file_descriptor", "file_system") and os.path.isdir(shm_path):
+        with contextlib.suppress(OSError):
+            stat = os.statvfs(shm_path)
+            shm_free, shm_total = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+    available, source = _mem_available(), "MemAvailable"
+    headroom = _cgroup_headroom()
+    if headroom is not None and (available is None or headroom < available):
+        available, source = headroom, "the container's memory limit (cgroup)"
+    soft, hard = _memlock()
+    return MachineResources(
+        shm_free_bytes=shm_free,
+        shm_total_bytes=shm_total,
+        ram_available_bytes=available,
+        ram_source=source,
+        memlock_soft_bytes=soft,
+        memlock_hard_bytes=hard,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- the check
+def format_bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _shm_size_flag(needed: int) -> str:
+    # whole GiB, with room left for what else uses /dev/shm (DataLoader workers pass their batches through it)
+    return f"{math.ceil(needed / (1 << 30)) + 1}g"
+
+
+def problems(needs: HostNeeds, machine: MachineResources, shm_path: str = SHM_PATH) -> list[str]:
+    """The shortfalls of ``machine`` for ``needs``, each a sentence with both figures and its fix (empty: it fits)."""
+    found = []
+    what = f"the host state ({needs.matrix_elements / 1e6:.1f} M weight-matrix elements x {HOST_BYTES_PER_ELEMENT} B)"
+    if machine.shm_free_bytes is not None and needs.shared_bytes > machine.shm_free_bytes:
+        total = f" of {format_bytes(machine.shm_total_bytes)}" if machine.shm_total_bytes is not None else ""
+        found.append(
+            f"{what} needs {format_bytes(needs.shared_bytes)} of shared memory, but {shm_path} has only "
+            f"{format_bytes(machine.shm_free_bytes)} free{total}. Give the container more shared memory "
+            f"(docker run --shm-size={_shm_size_flag(needs.shared_bytes)}; Kubernetes: an emptyDir volume with "
+            f"medium: Memory mounted at {shm_path}), or free space in {shm_path}"
+        )
+    if machine.ram_available_bytes is not None and needs.ram_bytes > machine.ram_available_bytes:
+        found.append(
+            f"{what} and the worker's buffers need {format_bytes(needs.ram_bytes)} of RAM, but only "
+            f"{format_bytes(machine.ram_available_bytes)} is available ({machine.ram_source}). Run on a machine "
+            "(or in a container) with more memory, or stop what else uses it"
+        )
+    return found
+
+
+def _check_memlock(needs: HostNeeds, machine: MachineResources) -> None:
+    soft, hard = machine.memlock_soft_bytes, machine.memlock_hard_bytes
+    if needs.pinned_bytes == 0 or soft is None or soft >= needs.pinned_bytes:
+        return
+    # raising the soft limit up to the hard one needs no privilege
+    target = needs.pinned_bytes if hard is None else min(hard, needs.pinned_bytes)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (target, resource.RLIM_INFINITY if hard is None else hard))
+        soft = target
+    if soft >= needs.pinned_bytes:
+        return
+    warnings.warn(
+        f"ZenFlow page-locks {format_bytes(needs.pinned_bytes)} of host memory for fast copies (cudaHostRegister), "
+        f"but the locked-memory limit (ulimit -l) is {format_bytes(hard if hard is not None else soft)}. If pinning "
+        "fails (whether the limit applies depends on the driver), raise it: ulimit -l unlimited, or docker run "
+        "--ulimit memlock=-1.",
+        stacklevel=3,
+    )
+
+
+def check_host_resources(
+    layout: Sequence[GroupLayout], device: torch.device, machine: MachineResources | None = None
+) -> HostNeeds:
+    """Raise :class:`HostResourceError` if the host state of ``layout`` does not fit this machine; returns the needs.
+
+    Runs before anything is allocated. ``machine``: the measured resources (measured now when None).
+    """
+    needs = host_needs(layout, device)
+    if os.environ.get(SKIP_ENV, "") not in ("", "0"):
+        return needs
+    machine = machine if machine is not None else measure_machine()
+    found = problems(needs, machine)
+    if found:
+        raise HostResourceError(
+            "ZenFlow cannot start: "
+            + "; and ".join(found)
+            + ". Fewer host bytes also help: a smaller model, or freezing parameters (requires_grad=False). "
+            f"({SKIP_ENV}=1 skips this check.)"
+        )
+    _check_memlock(needs, machine)
+    return needs
+
+
+def shared_memory_error(nbytes: int, error: BaseException, shm_path: str = SHM_PATH) -> HostResourceError:
+    """The error for a shared allocation that failed anyway (e.g. something else filled ``/dev/shm`` meanwhile)."""
+    machine = measure_machine(shm_path)
+    free = format_bytes(machine.shm_free_bytes) if machine.shm_free_bytes is not None else "an unknown amount"
+    return HostResourceError(
+        f"ZenFlow could not allocate {format_bytes(nbytes)} of shared memory for its host state ({error}); "
+        f"{shm_path} now has {free} free. Give the container more shared memory (docker run "
+        f"--shm-size={_shm_size_flag(nbytes)}) or free space in {shm_path}."
+    )
