@@ -8,6 +8,7 @@ hands the gradients to the engine instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,10 +25,16 @@ from typing_extensions import override
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine.engine import SUPPORTED_OPTIMIZERS
+from lightning_zenflow.engine.state import check_state, state_dict_mismatch, unreadable_checkpoint
 from lightning_zenflow.precision import ZenFlowPrecision
 
 CHECKPOINT_KEY = "zenflow"
 """Top-level checkpoint key of the engine's own state (the moments live in ``optimizer_states``)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed: unreadable, or saved for another model. The message names the file
+    and what differs; it is raised before anything from the file is loaded into the model or the optimizer."""
 
 
 class ZenFlowStrategy(SingleDeviceStrategy):
@@ -108,6 +115,7 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         )
         self.engine: ZenFlowEngine | None = None
         self._final_state: tuple[dict, dict] | None = None
+        self._checkpoint_path: str | None = None
         self._own_callbacks: list[Callback] = []
 
     @classmethod
@@ -340,29 +348,75 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Read a checkpoint file and check it against the module before Lightning loads anything from it.
+
+        A file that cannot be read (truncated, corrupt, not a checkpoint) or that was saved for another model
+        (parameter names or shapes) fails here, with the file named and what differs.
+        """
+        self._checkpoint_path = str(checkpoint_path)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        except FileNotFoundError:
+            raise  # Lightning's own message names the path
+        except Exception as error:
+            raise CheckpointError(unreadable_checkpoint(checkpoint_path, error)) from error
+        problem = self._checkpoint_mismatch(checkpoint)
+        if problem is not None:
+            raise CheckpointError(f"cannot resume from {checkpoint_path}: {problem}")
+        return checkpoint
+
+    def _checkpoint_mismatch(self, checkpoint: object) -> str | None:
+        """What makes ``checkpoint`` unfit for this module (None: nothing). Reads only."""
+        if not isinstance(checkpoint, Mapping) or not isinstance(checkpoint.get("state_dict"), Mapping):
+            return "it is not a Lightning checkpoint (it has no 'state_dict'); pass a .ckpt file that Lightning saved."
+        module = self.lightning_module
+        if module is None:
+            return None
+        problem = state_dict_mismatch(
+            checkpoint["state_dict"], module.state_dict(), strict=getattr(module, "strict_loading", True)
+        )
+        if problem is not None:
+            return problem
+        fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and CHECKPOINT_KEY in checkpoint:
+            # the optimizer does not exist yet: check the engine state against every parameter of the module
+            shapes = {name: tuple(param.shape) for name, param in module.named_parameters()}
+            try:
+                check_state(checkpoint[CHECKPOINT_KEY], shapes, require_all=False)
+            except ValueError as error:
+                return str(error)
+        return None
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if self.engine is None:
             super().load_optimizer_state_dict(checkpoint)
             return
+        where = f"cannot resume from {self._checkpoint_path or 'the checkpoint'}"
         optimizer_states = checkpoint["optimizer_states"]
         if len(optimizer_states) != 1:
-            raise MisconfigurationException(
-                f"the checkpoint holds {len(optimizer_states)} optimizer states; ZenFlow resumes from exactly one."
+            raise CheckpointError(
+                f"{where}: it holds {len(optimizer_states)} optimizer states; ZenFlow resumes from exactly one."
             )
         torch_state = optimizer_states[0]
         optimizer = self.optimizers[0]
         if len(torch_state["param_groups"]) != len(optimizer.param_groups):
-            raise MisconfigurationException(
-                f"the checkpoint has {len(torch_state['param_groups'])} param groups, configure_optimizers built "
+            raise CheckpointError(
+                f"{where}: it has {len(torch_state['param_groups'])} param groups, configure_optimizers built "
                 f"{len(optimizer.param_groups)}; resume with the same optimizer setup."
             )
+        # the engine validates everything before it writes anything: a failed load leaves it untouched
+        try:
+            if CHECKPOINT_KEY in checkpoint:
+                self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
+            else:
+                self.engine.load_torch_state_dict(torch_state)
+        except ValueError as error:
+            raise CheckpointError(f"{where}: {error}") from error
         # hyperparameters only: loading the moments into the torch optimizer would duplicate them on the device
         for group, saved in zip(optimizer.param_groups, torch_state["param_groups"]):
             group.update({key: value for key, value in saved.items() if key != "params"})
-        if CHECKPOINT_KEY in checkpoint:
-            self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
-        else:
-            self.engine.load_torch_state_dict(torch_state)
 
 
 def _check_one_device(devices: list[torch.device] | None) -> None:

@@ -9,16 +9,25 @@ in the rule: step, window, accumulator slot, the host update that is computed bu
 Taking the state waits for a host update in flight to finish computing and never applies it early, so a
 run continued from the state is bitwise the uninterrupted run. The staged upload of a computed update is
 not stored: it is the master cast to the model dtype, and is rebuilt on load.
+
+Loading checks everything first (:func:`check_state`: names, shapes, the selection, the progress) and writes
+nothing when a check fails; the strategy runs the same checks on a checkpoint file before Lightning loads any of
+it (:func:`state_dict_mismatch` for the model weights, :func:`unreadable_checkpoint` for a file torch cannot read).
+A state saved with another ``topk_ratio`` is loaded with the new one (``docs/update_rule.md``, "Resuming with
+other knobs").
 """
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_zenflow.engine.layout import staging_view
+from lightning_zenflow.config import num_selected_columns
+from lightning_zenflow.engine.layout import MatrixSlot, staging_view
 
 if TYPE_CHECKING:
     from lightning_zenflow.engine.engine import ZenFlowEngine
@@ -98,43 +107,122 @@ def _check_fresh(engine: ZenFlowEngine, what: str) -> None:
         raise RuntimeError(f"{what} needs an engine that has not stepped yet; build a new engine to restore into.")
 
 
-def _validate_names(engine: ZenFlowEngine, params: Mapping[str, Mapping]) -> None:
-    expected = _param_names(engine)
-    missing = sorted(set(expected) - set(params))
-    unexpected = sorted(set(params) - set(expected))
+MATRIX_KEYS = ("master", "device_step", "host_step", "selected")
+DEVICE_ONLY_KEYS = ("master", "device_step", "host_step")
+PROGRESS_KEYS = ("t", "steps_in_window", "slot", "window_counts", "pending", "last_select_t", "selections", "interval")
+_SHOWN = 5
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def check_state(state: object, shapes: Mapping[str, tuple[int, ...]], require_all: bool = True) -> None:
+    """Raise ``ValueError`` saying what differs when the engine state ``state`` does not fit a model whose trainable
+    parameters have ``shapes`` (``{name: shape}``). Reads only; every check runs before anything is loaded.
+
+    ``require_all=False`` accepts a state that covers only some of ``shapes`` (the strategy checks a checkpoint
+    against the module before the optimizer, which may hold a subset of the parameters, exists).
+    """
+    if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+        version = state.get("version") if isinstance(state, Mapping) else None
+        raise ValueError(
+            f"unknown ZenFlow state version {version!r}; expected {STATE_VERSION}. A checkpoint of an older "
+            "lightning_zenflow resumes its weights only: load them into the module and start a new fit."
+        )
+    params, progress = state.get("params"), state.get("progress")
+    if not isinstance(params, Mapping) or not isinstance(progress, Mapping):
+        raise ValueError("the ZenFlow state has no 'params' or no 'progress' section; it is incomplete.")
+    missing = sorted(set(shapes) - set(params)) if require_all else []
+    unexpected = sorted(set(params) - set(shapes))
     if missing or unexpected:
         raise ValueError(
             "the ZenFlow state does not match the model's trainable parameters: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. "
-            "Load it into the same model (same parameter names and requires_grad), or resume with "
-            "only the model weights (e.g. ckpt_path=None and load_state_dict on the module)."
-        )
-    for name, param in expected.items():
-        entry = params[name]
-        for key in ("master", *MOMENTS, "grad_acc"):
-            if key in entry and tuple(entry[key].shape) != tuple(param.shape):
-                raise ValueError(
-                    f"parameter {name} has shape {tuple(param.shape)} but its saved {key} has "
-                    f"{tuple(entry[key].shape)}; the checkpoint belongs to a different model."
+            + "; ".join(
+                part
+                for part in (
+                    f"the model has {_listed(missing)}, the checkpoint does not" if missing else "",
+                    f"the checkpoint has {_listed(unexpected)}, the model does not" if unexpected else "",
                 )
-        if "selected" in entry:
-            cols = param.numel() // param.shape[0]
-            selected = entry["selected"]
-            if selected.ndim != 1 or (selected.numel() and (int(selected.min()) < 0 or int(selected.max()) >= cols)):
-                raise ValueError(f"the saved selected columns of {name} are not indices into its {cols} columns.")
+                if part
+            )
+            + ". Load it into the same model (same parameter names and requires_grad), or resume with only the "
+            "model weights (e.g. ckpt_path=None and load_state_dict on the module)."
+        )
+    differences = []
+    for name in sorted(set(params) & set(shapes)):
+        entry, shape = params[name], tuple(shapes[name])
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"the saved state of {name} is a {type(entry).__name__}, not a dict; it is corrupt.")
+        required = MATRIX_KEYS if len(shape) >= 2 else DEVICE_ONLY_KEYS
+        absent = [key for key in required if key not in entry]
+        if absent:
+            raise ValueError(f"the saved state of {name} lacks {absent}; it is incomplete.")
+        for key in ("master", *MOMENTS, "grad_acc"):
+            if key not in entry:
+                continue
+            value = entry[key]
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise ValueError(f"the saved {key} of {name} is not a floating-point tensor; it is corrupt.")
+            if tuple(value.shape) != shape:
+                differences.append(f"{name} ({key}): checkpoint {tuple(value.shape)}, model {shape}")
+        if "selected" in entry and len(shape) >= 2 and not differences:
+            _check_selected(name, entry["selected"], math.prod(shape[1:]))
+    if differences:
+        raise ValueError(
+            "the ZenFlow state was saved for parameters of other shapes: "
+            + "; ".join(differences[:_SHOWN])
+            + (f"; and {len(differences) - _SHOWN} more" if len(differences) > _SHOWN else "")
+            + ". The checkpoint belongs to a different model."
+        )
+    absent = [key for key in PROGRESS_KEYS if key not in progress]
+    if absent:
+        raise ValueError(f"the ZenFlow state's progress lacks {absent}; it is incomplete.")
+
+
+def _check_selected(name: str, selected: object, cols: int) -> None:
+    ok = isinstance(selected, torch.Tensor) and selected.ndim == 1 and not selected.is_floating_point()
+    if ok and selected.numel():
+        ok = int(selected.min()) >= 0 and int(selected.max()) < cols
+        ok = ok and (selected.numel() == 1 or bool((selected[1:] > selected[:-1]).all()))
+    if not ok:
+        raise ValueError(
+            f"the saved selected columns of {name} are not ascending distinct indices into its {cols} columns."
+        )
+
+
+def _check_progress(engine: ZenFlowEngine, progress: Mapping) -> None:
+    """The schedule's shape against this engine's layout (checked before anything is loaded)."""
+    per_group = [len(group.matrices) for group in engine.layout]
+    counts = progress["window_counts"]
+    if [len(c) for c in counts] != per_group:
+        raise ValueError(
+            f"the saved schedule counts matrices per param group {[len(c) for c in counts]}, this model has "
+            f"{per_group}; the checkpoint belongs to a different model or optimizer setup."
+        )
+    pending = progress["pending"]
+    if pending is None:
+        return
+    active = pending.get("active") if isinstance(pending, Mapping) else None
+    if (
+        int(pending.get("slot", -1)) not in (0, 1)
+        or active is None
+        or len(active) != len(per_group)
+        or any(int(i) < 0 or int(i) >= n for indices, n in zip(active, per_group) for i in indices)
+    ):
+        raise ValueError("the saved pending host update does not fit this model's param groups; it is corrupt.")
+
+
+def _param_shapes(engine: ZenFlowEngine) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(param.shape) for name, param in _param_names(engine).items()}
 
 
 def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: Mapping | None) -> None:
     _check_fresh(engine, "load_state_dict")
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(
-            f"unknown ZenFlow state version {state.get('version')!r}; expected {STATE_VERSION}. A checkpoint of an "
-            "older lightning_zenflow resumes its weights only: load them into the module and start a new fit."
-        )
-    params = state["params"]
     # everything is validated before anything is written: a bad state leaves the engine untouched
-    _validate_names(engine, params)
+    check_state(state, _param_shapes(engine))
+    params = state["params"]
+    _check_progress(engine, state["progress"])
     moments = _moments_by_name(engine, torch_state) if torch_state is not None else {}
 
     def moment(name: str, key: str) -> torch.Tensor:
@@ -157,6 +245,7 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
     )
     updater = engine.device_updater
     selected, device_steps = [], []
+    window_sums = {name: entry["grad_acc"] for name, entry in params.items() if "grad_acc" in entry}
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
         for slot in group.matrices:
@@ -165,7 +254,11 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
             slot.view2d(host.exp_avg).copy_(moment(slot.name, "exp_avg").reshape(slot.rows, slot.cols))
             slot.view2d(host.exp_avg_sq).copy_(moment(slot.name, "exp_avg_sq").reshape(slot.rows, slot.cols))
             host.step_shared[slot.index_in_group] = float(entry["host_step"])
-            selected.append(entry["selected"].to(torch.long))
+            saved = entry["selected"].to(torch.long)
+            chosen = _selection_for_ratio(engine, slot, saved, slot.view2d(host.exp_avg_sq))
+            if slot.name in window_sums and not torch.equal(chosen, saved):
+                window_sums[slot.name] = _without_leaving(window_sums[slot.name], slot, saved, chosen)
+            selected.append(chosen)
             device_steps.append(int(entry["device_step"]))
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
             entry = params[device_entry.name]
@@ -177,7 +270,15 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
-    engine.restore_window_sums({name: entry["grad_acc"] for name, entry in params.items() if "grad_acc" in entry})
+    engine.restore_window_sums(window_sums)
+    pending = engine.schedule.pending
+    if pending is not None:
+        # a matrix now entirely on the device took the computed update with its masters: nothing left to land
+        flat = iter(selected)
+        all_on_device = [[next(flat).numel() == slot.cols for slot in group.matrices] for group in engine.layout]
+        pending.active = [[i for i in a if not all_on_device[g][i]] for g, a in enumerate(pending.active)]
+        if not any(pending.active):
+            engine.schedule.pending = None
     pending = engine.schedule.pending
     if pending is not None:
         # rebuild the staged upload of the computed update: the host master cast to the model dtype
@@ -190,6 +291,97 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                     continue  # fp32 weights are uploaded from the master itself
                 staging_view(host.grad_acc(pending.slot), slot, slot.param.dtype).copy_(slot.view2d(host.master))
     engine.synchronize_device()
+
+
+def _selection_for_ratio(
+    engine: ZenFlowEngine, slot: MatrixSlot, saved: torch.Tensor, exp_avg_sq: torch.Tensor
+) -> torch.Tensor:
+    """The columns to select after a resume: the saved ones, unless the run now has another ``topk_ratio``.
+
+    Then each matrix gets the configured k at once (device memory follows the new ratio from the first step),
+    changing as few columns as possible: a smaller k keeps the saved columns with the largest second moment
+    (``exp_avg_sq`` summed over the column, the running mean of its squared gradient, i.e. of its L2 score); a
+    larger k adds the unselected columns with the largest. Ties go to the lower index. The next refresh chooses
+    from the gradient again. Before the first selection (warm-up) there is nothing to keep.
+    """
+    if engine.schedule.last_select_t is None:
+        return saved
+    k = num_selected_columns(slot.cols, engine.config.topk_ratio)
+    if saved.numel() == k:
+        return saved
+    score = exp_avg_sq.sum(dim=0)
+    if k < saved.numel():
+        ranked = torch.sort(score[saved], descending=True, stable=True).indices
+        chosen = saved[ranked[:k]]
+    else:
+        others = torch.ones(slot.cols, dtype=torch.bool)
+        others[saved] = False
+        candidates = others.nonzero().flatten()
+        ranked = torch.sort(score[candidates], descending=True, stable=True).indices
+        chosen = torch.cat([saved, candidates[ranked[: k - saved.numel()]]])
+    return torch.sort(chosen).values
+
+
+def _without_leaving(
+    window_sum: torch.Tensor, slot: MatrixSlot, saved: torch.Tensor, chosen: torch.Tensor
+) -> torch.Tensor:
+    """The open window's sum for a matrix whose selection changed at load. Columns that leave the device had their
+    gradients of this window applied there already: their sum starts from zero (it may hold them, whole rows are
+    accumulated on the device). Columns that enter the device drop theirs: the device update cannot take a sum."""
+    leaving = saved[~torch.isin(saved, chosen)]
+    result = window_sum.reshape(slot.rows, slot.cols).clone()
+    result[:, leaving] = 0.0
+    return result.reshape(window_sum.shape)
+
+
+def unreadable_checkpoint(path: object, error: BaseException) -> str:
+    """The message for a checkpoint file that torch could not load: the file, its size, the error, the fix."""
+    message = str(error).strip() or type(error).__name__
+    if "Weights only load failed" in message and "Unsupported global" in message:
+        # readable, but holds objects that torch's safe loading refuses: torch's message says what to do
+        # (other "weights only" failures, e.g. "Unsupported operand", are bytes that are not a pickle at all)
+        return f"cannot resume from {path}: torch refused to load it safely. {message}"
+    try:
+        size = f"{os.path.getsize(path)} bytes"
+    except OSError:
+        size = "size unknown"
+    first_line = message.splitlines()[0]
+    return (
+        f"cannot resume from {path} ({size}): it could not be read ({type(error).__name__}: {first_line}). The file "
+        "is truncated or corrupt (a save that was interrupted, a full disk, an incomplete copy) or is not a PyTorch "
+        "checkpoint. Resume from another checkpoint (ModelCheckpoint keeps several with save_top_k and save_last), "
+        "or start without ckpt_path."
+    )
+
+
+def state_dict_mismatch(saved: Mapping[str, object], expected: Mapping[str, object], strict: bool) -> str | None:
+    """How a checkpoint's model ``state_dict`` differs from the module's (None: it fits): names when ``strict``,
+    shapes always (torch's ``load_state_dict`` would copy the matching tensors before it raised on the rest)."""
+    parts = []
+    if strict:
+        missing = sorted(set(expected) - set(saved))
+        unexpected = sorted(set(saved) - set(expected))
+        if missing:
+            parts.append(f"the model has {_listed(missing)} that the checkpoint lacks")
+        if unexpected:
+            parts.append(f"the checkpoint has {_listed(unexpected)} that the model lacks")
+    shapes = [
+        f"{name}: checkpoint {tuple(saved[name].shape)}, model {tuple(value.shape)}"
+        for name, value in expected.items()
+        if name in saved
+        and isinstance(saved[name], torch.Tensor)
+        and isinstance(value, torch.Tensor)
+        and tuple(saved[name].shape) != tuple(value.shape)
+    ]
+    if shapes:
+        parts.append("shapes differ: " + _listed(shapes))
+    if not parts:
+        return None
+    return (
+        "its weights belong to a different model: "
+        + "; ".join(parts)
+        + ". Resume it with the model it was saved from (same architecture and sizes)."
+    )
 
 
 def _moments_by_name(engine: ZenFlowEngine, torch_state: Mapping) -> dict[str, dict[str, torch.Tensor]]:
