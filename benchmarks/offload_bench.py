@@ -6,7 +6,9 @@ One run, one model, one batch sequence, one seed, every configuration in turn:
 - ``no-offload``    plain ``torch.optim.AdamW(fused=True)`` in the training process;
 - ``sync-offload``  the engine with ``topk_ratio=0, update_interval=1, overlap_step=False`` (ZeRO-Offload semantics:
   every matrix updated on the host at every step, the device waits);
-- ``zenflow``       the engine with its defaults (``topk_ratio=0.1, update_interval=4``, overlap on);
+- ``zenflow``       the engine with its defaults (``topk_ratio=0.1, update_interval=4``, overlap on,
+  ``accumulate_on="auto"``, which takes the device here);
+- ``zenflow host``  the same with ``accumulate_on="host"`` (per-step copies down, host adds);
 - ``zenflow rho=... S=...``  a sweep over ``--rhos`` x ``--intervals``;
 - ``torchao-offload`` (CUDA only, when ``torchao`` is importable) torchao's ``CPUOffloadOptimizer``.
 
@@ -154,13 +156,6 @@ class Spec:
     def interval(self) -> int | None:
         return None if self.config is None else int(self.config.update_interval)
 
-    @property
-    def pcie_budget(self) -> float | None:
-        """(1 - rho) + 1/S model bytes per step (DESIGN section 5); 2.0 for synchronous offload."""
-        if self.config is None:
-            return None
-        return (1.0 - self.rho) + 1.0 / self.interval
-
 
 def build_specs(args: argparse.Namespace) -> list[Spec]:
     select = {}
@@ -175,10 +170,16 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
             "sync-offload",
             "engine",
             base.replace(
-                topk_ratio=0.0, update_interval=1, overlap_step=False, select_strategy="auto", select_interval="auto"
+                topk_ratio=0.0,
+                update_interval=1,
+                overlap_step=False,
+                select_strategy="auto",
+                select_interval="auto",
+                accumulate_on="host",
             ),
         ),
         Spec("zenflow", "engine", base),
+        Spec("zenflow host", "engine", base.replace(accumulate_on="host")),
     ]
     if args.device == "cuda":
         specs.append(Spec("torchao-offload", "torchao"))
@@ -512,6 +513,7 @@ def run_spec(
     elif spec.kind == "torchao":
         device_bytes, host_bytes = torchao_bytes(optimizer)
     elif spec.kind == "engine":
+        result["accumulate_on"] = stats[-1].accumulate_on if stats else None
         result["stall_s"] = [s.stall_s for s in stats]
         result["device_update_s"] = [s.device_update_s for s in stats if s.device_update_s is not None]
         result["host_update_s"] = [s.host_update_s for s in stats if s.host_update_s is not None]

@@ -46,7 +46,13 @@ def summarize(results: list[dict[str, Any]], model_bytes: int, n_params: int) ->
             row["d2h_over_model_bytes"] = sum(r["d2h_bytes"]) / len(r["d2h_bytes"]) / model_bytes
             row["h2d_over_model_bytes"] = sum(r["h2d_bytes"]) / len(r["h2d_bytes"]) / model_bytes
             rho, interval = r["topk_ratio"], r["update_interval"]
-            row["pcie_budget"] = (1.0 - rho) + 1.0 / interval
+            row["accumulate_on"] = r.get("accumulate_on")
+            if row["accumulate_on"] == "device":
+                # the fp32 accumulator down and the weights up once per window (docs/performance.md)
+                row["pcie_budget"] = (4.0 / (model_bytes / n_params) + 1.0) / interval
+            else:
+                # the unselected columns down every step, the weights up once per window
+                row["pcie_budget"] = (1.0 - rho) + 1.0 / interval
         elif r["kind"] == "no-offload":
             row["stall_share"] = 0.0
             row["pcie_over_model_bytes"] = 0.0

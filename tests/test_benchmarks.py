@@ -61,7 +61,7 @@ def test_offload_bench_quick(tmp_path: pathlib.Path) -> None:
         assert positive(candidate["fwd_bwd_s"])
         assert positive(candidate["adamw_s"])
     configs = {config["name"]: config for config in result["configs"]}
-    assert set(configs) == {"fwd+bwd", "no-offload", "sync-offload", "zenflow"}
+    assert set(configs) == {"fwd+bwd", "no-offload", "sync-offload", "zenflow", "zenflow host"}
     for name, config in configs.items():
         summary = config["summary"]
         assert len(config["step_s"]) == result["measured_steps"], name
@@ -75,7 +75,12 @@ def test_offload_bench_quick(tmp_path: pathlib.Path) -> None:
             "fraction_of_ideal_speedup",
         ):
             assert positive(summary[key]), f"{name}: {key} = {summary[key]}"
-    for name in ("sync-offload", "zenflow"):
+    assert [configs[name].get("accumulate_on") for name in ("sync-offload", "zenflow", "zenflow host")] == [
+        "host",
+        "device",
+        "host",
+    ]
+    for name in ("sync-offload", "zenflow", "zenflow host"):
         summary = configs[name]["summary"]
         for key in ("pcie_over_model_bytes", "pcie_budget", "host_bytes_per_param", "wall_s"):
             value = summary.get(key, configs[name].get(key))
