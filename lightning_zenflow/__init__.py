@@ -9,11 +9,12 @@ import os
 from typing import Any
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.engine import HostWorkerError, StepStats, ZenFlowEngine
+from lightning_zenflow.engine import HostResourceError, HostWorkerError, StepStats, ZenFlowEngine
 
 __version__ = "0.1.0"
 
 _LIGHTNING_NAMES = {
+    "CheckpointError": "lightning_zenflow.strategy",
     "ZenFlowPrecision": "lightning_zenflow.precision",
     "ZenFlowStrategy": "lightning_zenflow.strategy",
     "ZenFlowTelemetry": "lightning_zenflow.telemetry",
@@ -21,12 +22,12 @@ _LIGHTNING_NAMES = {
 
 # The spawned host worker imports this package only to reach lightning_zenflow.engine.host and needs no
 # Lightning, whose import costs seconds; engine/host.py sets this variable for the child it starts. The
-# Lightning names stay importable there (lazily), since spawn re-runs the user's script in the child.
+# Lightning names stay importable there, lazily.
 if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_zenflow.precision import ZenFlowPrecision
-    from lightning_zenflow.strategy import ZenFlowStrategy
+    from lightning_zenflow.strategy import CheckpointError, ZenFlowStrategy
     from lightning_zenflow.telemetry import ZenFlowTelemetry
 
     ZenFlowStrategy.register_strategies(StrategyRegistry)
@@ -39,6 +40,8 @@ else:
 
 
 __all__ = [
+    "CheckpointError",
+    "HostResourceError",
     "HostWorkerError",
     "StepStats",
     "ZenFlowConfig",

@@ -132,6 +132,7 @@ class ZenFlowEngine:
         if host_delay_s:
             self._stage_delays["worker"] = host_delay_s
         self._host_fail_at = host_fail_at
+        self._worker: HostWorker | None = None
         self._started = False
         self._closed = False
         self.accumulation: DeviceAccumulation | HostAccumulation | None = None
@@ -205,7 +206,11 @@ class ZenFlowEngine:
                 continue
             code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1)  # 1: cudaHostRegisterPortable
             if int(code) != 0:
-                raise RuntimeError(f"cudaHostRegister failed with code {int(code)} for {tensor.nbytes} bytes.")
+                raise RuntimeError(
+                    f"cudaHostRegister failed with code {int(code)} for {tensor.nbytes} bytes of host state. Pinning "
+                    "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
+                    "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
+                )
             self._pinned.append(tensor)
 
     def _start_worker(self) -> None:
