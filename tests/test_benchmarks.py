@@ -158,6 +158,38 @@ def test_host_adam_quick(tmp_path: pathlib.Path) -> None:
     assert result["bytes_per_param"] == {"engine": 34, "fused_adamw": 28, "copy": 8, "add_": 12}
 
 
+def test_finetune_quality_quick(tmp_path: pathlib.Path) -> None:
+    stdout, result, _ = run_quick("finetune_quality", tmp_path, "--cache", str(tmp_path / "cache"))
+    for header in ("Main rows", "Held-out loss during fine-tuning", "Gradient concentration", "sync-offload vs AdamW"):
+        assert header in stdout
+    check_machine(result["machine"])
+    assert result["base"]["cached"] is False  # a fresh cache folder: the base was pre-trained here
+    summary = result["summary"]
+    assert {"adamw", "sync-offload", "zenflow"} <= set(summary)
+    finetune_steps = result["settings"]["finetune_steps"]
+    for name, entry in summary.items():
+        assert entry["eval_steps"][0] == 0, name
+        assert entry["eval_steps"][-1] == finetune_steps, name
+        assert all(positive(loss) for loss in entry["mean_eval_loss"]), name
+        times = entry["mean_eval_train_s"]
+        assert times == sorted(times), f"{name}: wall times must not go back"
+    for run in result["runs"]:
+        assert len(run["train_loss"]) == finetune_steps, run["row"]
+    # the design's degenerate case, recomputed from the raw runs: synchronous offload is AdamW up to float rounding
+    adamw = {run["seed"]: run["final_eval_loss"] for run in result["runs"] if run["row"] == "adamw"}
+    sync = [run for run in result["runs"] if run["row"] == "sync-offload"]
+    assert sync
+    for run in sync:
+        assert run["final_eval_loss"] == pytest.approx(adamw[run["seed"]], rel=1e-3)
+    assert result["sync_offload_matches_adamw"] is True
+    # the premise statistics: shares are fractions, the top 10 % holds at least the top 1 %, overlaps are in [0, 1]
+    steps = result["gradient_statistics"]["steps"]
+    assert len(steps) >= 2
+    for entry in steps:
+        assert 0.0 < entry["top0.01"] <= entry["top0.1"] <= 1.0
+    assert all(0.0 <= entry["jaccard_prev"] <= 1.0 for entry in steps[1:])
+
+
 def test_gpu_stall_cpu_smoke(tmp_path: pathlib.Path) -> None:
     """``gpu_stall.py --device cpu --quick``, both accumulation modes: one JSON line per row, traffic per the cost
     model (about 10 s; the GPU sizes run in scripts/gpu_checks.sh)."""
