@@ -181,8 +181,6 @@ def finetune(
             if engine is not None:
                 engine.wait_for_update()  # the forward reads weights the last device update wrote
             _, loss = model(x, y)
-            if engine is not None:
-                engine.before_backward()
             loss.backward()
             if engine is None:
                 optimizer.step()

@@ -462,8 +462,6 @@ def run_spec(
             if index >= warmup:
                 clock.mark()
             _, loss = model(x, y)
-            if engine is not None:
-                engine.before_backward()
             loss.backward()
             if engine is not None:
                 step_stats = engine.step()

@@ -118,9 +118,6 @@ class ZenFlowPrecision(Precision):
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
-        if self.engine is not None:
-            # the last step's gradient payloads must be copied down before backward allocates new gradients
-            self.engine.before_backward()
         return self._inner.pre_backward(tensor, module)
 
     # ----------------------------------------------------------------------------------- delegation

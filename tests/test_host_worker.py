@@ -280,7 +280,8 @@ def test_stopped_worker_fails_the_run_after_worker_timeout():
         stopped_at = time.monotonic()
         error = _step_until_error(layer, engine, budget_s=timeout_s + 10)
         detected_s = time.monotonic() - stopped_at
-        assert detected_s <= timeout_s + 2.0, f"the frozen worker was noticed only after {detected_s:.1f} s"
+        # the detection itself is a heartbeat check every 50 ms; the margin is for a busy machine's scheduling
+        assert detected_s <= timeout_s + 5.0, f"the frozen worker was noticed only after {detected_s:.1f} s"
         assert "not answered" in str(error)
         assert f"worker_timeout_s={timeout_s}" in str(error)
         # close() on the still-stopped worker: a stopped process ignores the stop command and SIGTERM

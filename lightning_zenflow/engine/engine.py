@@ -375,10 +375,6 @@ class ZenFlowEngine:
         if self._started and not self._closed:
             self.lanes.compute_waits(self.device_updater.update_done)
 
-    def before_backward(self) -> None:
-        """Kept for callers of earlier versions: nothing to wait for before backward (the gradients the engine
-        still reads are kept alive on its streams, and the compute stream waits for its reads at each step)."""
-
     def sync(self) -> None:
         """Apply the host update in flight, if any, so the model holds every finished update. Leaves the open
         window's accumulated gradients pending (they belong to the next window end)."""
