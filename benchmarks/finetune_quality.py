@@ -93,6 +93,16 @@ ABLATION_ROWS = (
     Row("refresh-16", {"select_strategy": "step", "select_interval": 16}, "re-select every 16 steps"),
     Row("warm-up-10", {"full_warm_up_rounds": 10}, "first 10 steps full synchronous AdamW"),
     Row("l1", {"importance": "l1"}, "column score: L1 sum instead of squared L2"),
+    Row(
+        "warm-up-10+refresh-16",
+        {"full_warm_up_rounds": 10, "select_strategy": "step", "select_interval": 16},
+        "the two knobs that helped, together",
+    ),
+    Row(
+        "warm-up-10+refresh-16+S=8",
+        {"full_warm_up_rounds": 10, "select_strategy": "step", "select_interval": 16, "update_interval": 8},
+        "and a window of 8",
+    ),
 )
 
 
