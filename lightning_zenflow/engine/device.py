@@ -51,10 +51,13 @@ def adam_update_(
     steps: list[torch.Tensor],
     hp: HyperParams,
     found_inf: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """One Adam/AdamW step, in place, on fp32 tensors of one device, with torch's fused kernel (the kernel of
-    ``torch.optim.AdamW(fused=True)``). ``steps``: fp32 scalar count tensors on the same device, incremented here.
+    ``torch.optim.AdamW(fused=True)``; the device and the host worker both use it). ``steps``: fp32 scalar count
+    tensors on the same device, incremented here.
 
+    ``grad_scale``: the kernel divides each gradient by it as it reads (the host's window mean: sum / count).
     ``found_inf`` (16-mixed): a device scalar, 1.0 when this step's gradients overflowed. The kernel then leaves
     masters and moments untouched and the counts are decremented back, all on the device: no host read.
     """
@@ -76,15 +79,29 @@ def adam_update_(
         eps=hp.eps,
         amsgrad=False,
         maximize=False,
-        grad_scale=None,
+        grad_scale=grad_scale,
         found_inf=found_inf,
     )
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
+class _DeviceStepCount:
+    """``step``: the ``step_count`` device scalar as an int (a device read: checkpoints only)."""
+
+    step_count: torch.Tensor
+
+    @property
+    def step(self) -> int:
+        return int(self.step_count.item())
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.step_count.fill_(float(value))
+
+
 @dataclass
-class DeviceOnlyState:
+class DeviceOnlyState(_DeviceStepCount):
     param: torch.Tensor
     master: torch.Tensor
     exp_avg: torch.Tensor
@@ -94,18 +111,9 @@ class DeviceOnlyState:
     separate_master: bool = True
     """False when the parameter is fp32 and is its own master (no copy, no write-back)."""
 
-    @property
-    def step(self) -> int:
-        """The count as an int (a device read: checkpoints only)."""
-        return int(self.step_count.item())
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.step_count.fill_(float(value))
-
 
 @dataclass
-class SelectedState:
+class SelectedState(_DeviceStepCount):
     """The device side of one matrix: its selected columns and their fp32 master and moments."""
 
     slot: MatrixSlot
@@ -123,15 +131,6 @@ class SelectedState:
     """How many device updates this matrix has had: an fp32 scalar on the device (read back at checkpoints)."""
     scratch: torch.Tensor | None = None
     """The reused ``[rows, k]`` fp32 buffer the selected gradient is gathered into."""
-
-    @property
-    def step(self) -> int:
-        """The count as an int (a device read: checkpoints only)."""
-        return int(self.step_count.item())
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.step_count.fill_(float(value))
 
     @property
     def k(self) -> int:

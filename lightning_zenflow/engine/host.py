@@ -32,7 +32,7 @@ from typing import NoReturn
 
 import torch
 
-from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.device import HyperParams, adam_update_
 
 HEARTBEAT_PERIOD_S = 0.2
 WORKER_ENV = "LIGHTNING_ZENFLOW_HOST_WORKER"
@@ -153,7 +153,6 @@ def host_adam_update(
             scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32)
         unpack_accumulators(grad_acc, extents, job, unselected, scratch)
     hp = job.hparams
-    fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
     # one fused call per distinct divisor; grad_scale (an extra division per element) only when it is not 1.
     # A divisor of 0: every gradient of the window was skipped (16-mixed overflow): no update, staging only.
     for divisor in sorted(set(job.mean_divisors) - {0.0}):
@@ -168,24 +167,8 @@ def host_adam_update(
             exp_avgs.append(exp_avg[window])
             exp_avg_sqs.append(exp_avg_sq[window])
             state_steps.append(steps[index : index + 1].view(()))
-        torch._foreach_add_(state_steps, 1.0)
-        fused(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            state_steps,
-            lr=hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            weight_decay=hp.weight_decay,
-            eps=hp.eps,
-            amsgrad=False,
-            maximize=False,
-            grad_scale=None if divisor == 1.0 else torch.tensor(float(divisor)),
-            found_inf=None,
-        )
+        grad_scale = None if divisor == 1.0 else torch.tensor(float(divisor))
+        adam_update_(params, grads, exp_avgs, exp_avg_sqs, state_steps, hp, grad_scale=grad_scale)
     for index in job.active:
         extent = extents[index]
         if extent.dtype == torch.float32:
