@@ -29,6 +29,7 @@ from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, Wo
 from lightning_zenflow.engine.layout import GroupHostBuffers, allocate_host_buffers, build_layout
 from lightning_zenflow.engine.migrate import migrate
 from lightning_zenflow.engine.preflight import check_host_resources
+from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.schedule import (
     AUTO_INITIAL_INTERVAL,
     AUTO_MARGIN,
@@ -96,6 +97,8 @@ class ZenFlowEngine:
         host_delay_s: test hook, the host worker sleeps this long before each update.
         host_fail_at: test hook, the host worker raises at this update (1-based).
         stage_delays: test hook, ``{stage: seconds}`` delays each asynchronous stage (see ``engine/streams.py``).
+        ranks: the data-parallel ranks (``engine/ranks.py``); the host state is sharded across them by rows. The
+            gradients must be the same on every rank (all-reduced) when :meth:`step` is called.
     """
 
     def __init__(
@@ -108,13 +111,15 @@ class ZenFlowEngine:
         host_delay_s: float = 0.0,
         host_fail_at: int | None = None,
         stage_delays: Mapping[str, float] | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         check_optimizer(optimizer)
         self.optimizer = optimizer
         self.config = config
+        self.ranks = ranks or Ranks()
         self._decoupled_default = isinstance(optimizer, torch.optim.AdamW)
         names = {id(p): n for p, n in (param_names or {}).items()}
-        self.layout = build_layout(optimizer.param_groups, names)
+        self.layout = build_layout(optimizer.param_groups, names, self.ranks)
         params = [s.param for g in self.layout for s in g.matrices] + [
             s.param for g in self.layout for s in g.device_only
         ]
@@ -151,6 +156,7 @@ class ZenFlowEngine:
         self.last_stats: StepStats | None = None
         self._saved_affinity: set[int] | None = None
         self._saved_threads: int | None = None
+        self._landings = 0
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> ZenFlowEngine:
@@ -160,7 +166,8 @@ class ZenFlowEngine:
         if self._started:
             return self
         self.lanes = Lanes(self.device, self._stage_delays)
-        check_host_resources(self.layout, self.device)  # shared memory and RAM first: one clear error if short
+        # shared memory and RAM first: one clear error if short (for every rank on this machine)
+        check_host_resources(self.layout, self.device, ranks_per_host=self.ranks.local_world)
         self.host_buffers: list[GroupHostBuffers] = allocate_host_buffers(self.layout)
         # per group: each matrix's host-bound column indices, for the worker to unpack host-mode accumulators
         self.unselected_shared = [
@@ -214,7 +221,7 @@ class ZenFlowEngine:
             self._pinned.append(tensor)
 
     def _start_worker(self) -> None:
-        train_cores, host_cores = self.config.core_split()
+        train_cores, host_cores = self.config.core_split(self._own_cores())
         if self.config.bind_cores and hasattr(os, "sched_setaffinity") and train_cores != host_cores:
             self._saved_affinity = os.sched_getaffinity(0)
             self._saved_threads = torch.get_num_threads()
@@ -237,11 +244,24 @@ class ZenFlowEngine:
         )
         self._worker = HostWorker(spec, timeout_s=self.config.worker_timeout_s)
 
+    def _own_cores(self) -> list[int] | None:
+        """This rank's share of the machine's cores: all it may use when a launcher bound it (its affinity is at
+        most its share already); otherwise the ``local_rank``-th of ``local_world`` equal slices."""
+        if not hasattr(os, "sched_getaffinity"):
+            return None
+        cores = sorted(os.sched_getaffinity(0))
+        local_world = self.ranks.local_world
+        share = max(1, len(cores) // local_world)
+        if local_world == 1 or len(cores) <= share:
+            return cores
+        start = min(self.ranks.local_rank * share, len(cores) - share)
+        return cores[start : start + share]
+
     @staticmethod
     def _extents(group) -> list[MatrixExtent]:
         extents, col_offset = [], 0
         for slot in group.matrices:
-            extents.append(MatrixExtent(slot.offset, slot.numel, slot.param.dtype, slot.cols, col_offset))
+            extents.append(MatrixExtent(slot.offset, slot.host_numel, slot.param.dtype, slot.cols, col_offset))
             col_offset += slot.cols
         return extents
 
@@ -395,11 +415,13 @@ class ZenFlowEngine:
         """Build the accumulation mode (``"auto"``: device when its buffers fit, measured now, after the first
         backward has allocated the gradients)."""
         slots = [s for g in self.layout for s in g.matrices if self._may_go_to_host(s)]
-        need = sum(s.numel * (4 + s.param.element_size()) for s in slots)  # fp32 accumulator + upload buffer
+        need = sum(s.host_numel * (4 + s.param.element_size()) for s in slots)  # fp32 accumulator + upload buffer
         mode = self.config.accumulate_on
         if mode == "auto":
             free = self.lanes.free_bytes()
-            mode = "device" if need * AUTO_DEVICE_MARGIN <= free else "host"
+            fits = need * AUTO_DEVICE_MARGIN <= free
+            # every rank takes the same mode (the results are equal either way; the telemetry is easier to read)
+            mode = "device" if self.ranks.agree(float(fits), self.device, op="min") else "host"
             self.accumulate_on_reason = (
                 f"accumulate_on='auto' chose {mode!r}: the device buffers need {need / 2**20:.1f} MiB, "
                 f"{free / 2**20:.1f} MiB free"
@@ -408,12 +430,14 @@ class ZenFlowEngine:
             self.accumulate_on_reason = f"accumulate_on={mode!r} (configured)"
         if mode == "device":
             self.accumulation = DeviceAccumulation(self.lanes, slots, self.host_buffers)
-            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, slots)
+            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, slots, self.ranks)
         else:
             # a slot never larger than the largest gradient it would carry (a small model needs no 64 MiB ring)
-            largest = max((s.numel * s.param.element_size() for s in slots), default=1)
-            self.accumulation = HostAccumulation(self.lanes, self.host_buffers, min(STAGING_SLOT_BYTES, largest))
-            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, None)
+            largest = max((s.host_numel * s.param.element_size() for s in slots), default=1)
+            self.accumulation = HostAccumulation(
+                self.lanes, self.host_buffers, max(1, min(STAGING_SLOT_BYTES, largest))
+            )
+            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, None, self.ranks)
         if self._restored_window_sums is not None:
             self._restore_window_sums(self._restored_window_sums)
             self._restored_window_sums = None
@@ -551,6 +575,7 @@ class ZenFlowEngine:
         self.uploads.land(pending.slot, pending.active)
         self.device_updater.end_step()
         self.schedule.pending = None
+        self._landings += 1
 
     def _drain_helper(self) -> None:
         # helper-thread queue wait: every host add and launch issued so far has finished (or raised)
@@ -630,12 +655,15 @@ class ZenFlowEngine:
                         score = column_scores(grad.view(state.slot.rows, state.slot.cols), self.config.importance)
                     indices.append(top_columns(score, k))
                     scores.append(score)
+                # data parallel: rank 0's choice everywhere (equal gradients, but ties must not split the ranks)
+                flat_device = torch.cat(indices) if indices else torch.empty(0, dtype=torch.long, device=self.device)
+                self.ranks.broadcast_(flat_device)
                 # one host read each for all matrices: a device sync, at a refresh only
-                flat_indices = torch.cat(indices).cpu() if indices else torch.empty(0, dtype=torch.long)
+                flat_indices = flat_device.cpu()
                 flat_scores = torch.cat(scores).cpu() if scores else torch.empty(0)
             new_selected = list(torch.split(flat_indices, [int(i.numel()) for i in indices]))
             scores_host = list(torch.split(flat_scores, [int(s.numel()) for s in scores]))
-            moved = migrate(self.lanes, self.device_updater, self.host_buffers, new_selected)
+            moved = migrate(self.lanes, self.device_updater, self.host_buffers, new_selected, self.ranks)
             self._refresh_bytes[0] += moved.d2h_bytes
             self._refresh_bytes[1] += moved.h2d_bytes
             self._write_unselected()
@@ -670,9 +698,17 @@ class ZenFlowEngine:
         self._stall_at_last_end = self._stall_s
 
     def _maybe_decide_interval(self) -> None:
-        if self.schedule.interval_decided or self._last_host_s is None or not self._step_intervals:
+        # decided after the first landing: a point of the rule every rank reaches at the same step (the first
+        # host time is known by then everywhere), so the ranks can agree on the largest choice
+        if (
+            self.schedule.interval_decided
+            or self._landings == 0
+            or self._last_host_s is None
+            or not self._step_intervals
+        ):
             return
-        self.schedule.decide_interval(self._last_host_s, statistics.median(self._step_intervals))
+        choice = choose_update_interval(self._last_host_s, statistics.median(self._step_intervals))
+        self.schedule.fix_interval(int(self.ranks.agree(choice, self.device)))  # the largest rank's choice
 
     # ---------------------------------------------------------------------------------------------- telemetry
     def _link_bytes(self) -> tuple[int, int]:
@@ -718,7 +754,8 @@ class ZenFlowEngine:
     # ------------------------------------------------------------------------------------------------- state
     def window_sums(self) -> dict[str, torch.Tensor]:
         """The open window's accumulated gradient sums, ``{name: fp32 tensor shaped like the parameter}``, on
-        the CPU (empty when no window is open). Call after :meth:`wait_idle`."""
+        the CPU (empty when no window is open). Call after :meth:`wait_idle`; data parallel: on every rank (the
+        rows are gathered)."""
         if self.schedule.steps_in_window == 0 or self.accumulation is None:
             return {}
         sums = {}
@@ -727,8 +764,8 @@ class ZenFlowEngine:
             if not self._may_go_to_host(slot):
                 continue
             unselected = _complement(state.selected_host, slot.cols)
-            total = self.accumulation.window_sum(slot, self.schedule.slot, unselected)
-            sums[slot.name] = total.reshape(slot.param.shape).clone()
+            own = self.accumulation.window_sum(slot, self.schedule.slot, unselected)
+            sums[slot.name] = self.ranks.gather_rows(own, slot.rows, self.device).reshape(slot.param.shape)
         return sums
 
     def restore_window_sums(self, sums: Mapping[str, torch.Tensor]) -> None:
@@ -747,7 +784,8 @@ class ZenFlowEngine:
             slot = state.slot
             if slot.name in sums and self._may_go_to_host(slot):
                 unselected = _complement(state.selected_host, slot.cols)
-                self.accumulation.restore_window_sum(slot, self.schedule.slot, unselected, sums[slot.name].float())
+                own = slot.own(sums[slot.name].float())
+                self.accumulation.restore_window_sum(slot, self.schedule.slot, unselected, own)
 
     def state_dict(self, include_moments: bool = True) -> dict:
         """Everything needed to continue exactly, keyed by parameter name (see ``engine/state.py``).
@@ -776,7 +814,7 @@ class ZenFlowEngine:
         updater = self.device_updater
         for state, steps in zip(updater.matrix_states(), device_steps):
             state.step = int(steps)
-        migrate(self.lanes, updater, self.host_buffers, [s.to(torch.long).cpu() for s in selected])
+        migrate(self.lanes, updater, self.host_buffers, [s.to(torch.long).cpu() for s in selected], self.ranks)
         self._write_unselected()
 
     def is_fresh(self) -> bool:

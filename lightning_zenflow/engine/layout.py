@@ -5,9 +5,11 @@ and split by column between the device (the selected columns) and the host (the 
 ``ndim <= 1`` are *device-only*. Frozen parameters are ignored.
 
 Per optimizer param group, the host holds one shared-memory block ``[5, n]`` of fp32, where ``n`` is the
-number of matrix elements in the group. Its rows are the master weights, ``exp_avg``, ``exp_avg_sq`` and two
-gradient accumulators (double-buffered: the device fills one window while the host updates with the other).
-That is 20 bytes per matrix element, all the host memory the engine needs per parameter.
+number of matrix elements in the group that this rank owns: all of them on one rank; under data parallel, the row
+block of every matrix that ``Ranks.own_rows`` gives it (``engine/ranks.py``). Its rows are the master weights,
+``exp_avg``, ``exp_avg_sq`` and two gradient accumulators (double-buffered: the device fills one window while the
+host updates with the other). That is 20 bytes per matrix element, all the host memory the engine needs per
+parameter (divided by the number of ranks under data parallel).
 
 A consumed accumulator doubles as the staging area for the upload: after its AdamW step the host worker
 writes the new weights, already cast to the model dtype, into the bytes of the accumulator it just read;
@@ -21,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from lightning_zenflow.engine.ranks import Ranks
 
 HOST_ROWS = 5
 """Rows of a group's host block: master, exp_avg, exp_avg_sq, grad_acc[0], grad_acc[1]."""
@@ -39,14 +43,35 @@ class MatrixSlot:
     rows: int
     cols: int
     offset: int
+    """Where this rank's rows of the matrix start in its group's flat host rows."""
+    row_start: int = 0
+    row_stop: int = -1
+    """The row block ``[row_start, row_stop)`` whose host state this rank owns (-1: every row)."""
+
+    def __post_init__(self) -> None:
+        if self.row_stop < 0:
+            self.row_stop = self.rows
 
     @property
     def numel(self) -> int:
         return self.rows * self.cols
 
+    @property
+    def host_rows(self) -> int:
+        return self.row_stop - self.row_start
+
+    @property
+    def host_numel(self) -> int:
+        """Elements of the matrix this rank holds on the host: its row block."""
+        return self.host_rows * self.cols
+
     def view2d(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The parameter-shaped 2-D view ``[rows, cols]`` of this slot inside a group's flat host row."""
-        return tensor[self.offset : self.offset + self.numel].view(self.rows, self.cols)
+        """This rank's rows ``[host_rows, cols]`` of the slot inside a group's flat host row."""
+        return tensor[self.offset : self.offset + self.host_numel].view(self.host_rows, self.cols)
+
+    def own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's row block of a whole-matrix tensor (anything that views as ``[rows, cols]``)."""
+        return tensor.reshape(self.rows, self.cols)[self.row_start : self.row_stop]
 
 
 @dataclass
@@ -68,19 +93,23 @@ class GroupLayout:
 
     @property
     def host_numel(self) -> int:
-        return sum(slot.numel for slot in self.matrices)
+        return sum(slot.host_numel for slot in self.matrices)
 
 
 def build_layout(
-    param_groups: Sequence[Mapping[str, object]], names: Mapping[int, str] | None = None
+    param_groups: Sequence[Mapping[str, object]],
+    names: Mapping[int, str] | None = None,
+    ranks: Ranks | None = None,
 ) -> list[GroupLayout]:
     """Split the trainable parameters of ``param_groups`` into matrices and device-only parameters.
 
     Args:
         param_groups: the torch optimizer's ``param_groups`` (each a dict with a ``"params"`` list).
         names: optional ``id(param) -> name`` map, used in checkpoints and error messages.
+        ranks: the data-parallel ranks; each matrix's host state covers this rank's row block only.
     """
     names = names or {}
+    ranks = ranks or Ranks()
     seen: set[int] = set()
     layout = []
     for group_index, group in enumerate(param_groups):
@@ -104,6 +133,7 @@ def build_layout(
                 if not param.is_contiguous():
                     raise ValueError(f"parameter {name} is not contiguous; call .contiguous() on it before training.")
                 rows = param.shape[0]
+                row_start, row_stop = ranks.own_rows(rows)
                 slot = MatrixSlot(
                     param=param,
                     name=name,
@@ -112,8 +142,10 @@ def build_layout(
                     rows=rows,
                     cols=param.numel() // rows,
                     offset=offset,
+                    row_start=row_start,
+                    row_stop=row_stop,
                 )
-                offset += slot.numel
+                offset += slot.host_numel
                 group_layout.matrices.append(slot)
             else:
                 group_layout.device_only.append(DeviceOnlySlot(param=param, name=name, group_index=group_index))
@@ -179,16 +211,16 @@ def allocate_host_buffers(layout: Sequence[GroupLayout]) -> list[GroupHostBuffer
         host = GroupHostBuffers(block_shared=block_shared, step_shared=step_shared)
         for slot in group.matrices:
             # a blocking device -> host copy, once at start-up; the only pages of the block written now
-            slot.view2d(host.master).copy_(slot.param.detach().reshape(slot.rows, slot.cols))
+            slot.view2d(host.master).copy_(slot.own(slot.param.detach()))
         buffers.append(host)
     return buffers
 
 
 def staging_view(grad_acc_row: torch.Tensor, slot: MatrixSlot, dtype: torch.dtype) -> torch.Tensor:
-    """The model-dtype weights of ``slot`` written into the bytes of a consumed accumulator, as ``[rows, cols]``.
+    """The model-dtype weights of ``slot`` written into the bytes of a consumed accumulator, as ``[host_rows, cols]``.
 
     The slot's fp32 accumulator region has 4 bytes per element, enough for any model dtype.
     """
-    region = grad_acc_row[slot.offset : slot.offset + slot.numel]
+    region = grad_acc_row[slot.offset : slot.offset + slot.host_numel]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return region.view(torch.uint8)[: slot.numel * itemsize].view(dtype).view(slot.rows, slot.cols)
+    return region.view(torch.uint8)[: slot.host_numel * itemsize].view(dtype).view(slot.host_rows, slot.cols)

@@ -23,6 +23,7 @@ mislead it, e.g. memory that is overcommitted on purpose).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import resource
@@ -229,13 +230,25 @@ def _check_memlock(needs: HostNeeds, machine: MachineResources) -> None:
 
 
 def check_host_resources(
-    layout: Sequence[GroupLayout], device: torch.device, machine: MachineResources | None = None
+    layout: Sequence[GroupLayout],
+    device: torch.device,
+    machine: MachineResources | None = None,
+    ranks_per_host: int = 1,
 ) -> HostNeeds:
     """Raise :class:`HostResourceError` if the host state of ``layout`` does not fit this machine; returns the needs.
 
     Runs before anything is allocated. ``machine``: the measured resources (measured now when None).
+    ``ranks_per_host``: data-parallel ranks on this machine, each allocating a share like this one at the same
+    time; the machine must hold all of them.
     """
     needs = host_needs(layout, device)
+    if ranks_per_host > 1:
+        needs = dataclasses.replace(
+            needs,
+            shared_bytes=needs.shared_bytes * ranks_per_host,
+            ram_bytes=needs.ram_bytes * ranks_per_host,
+            pinned_bytes=needs.pinned_bytes,  # the locked-memory limit is per process
+        )
     if os.environ.get(SKIP_ENV, "") not in ("", "0"):
         return needs
     machine = machine if machine is not None else measure_machine()

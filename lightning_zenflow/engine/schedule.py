@@ -125,8 +125,12 @@ class Schedule:
 
     def decide_interval(self, host_update_s: float, device_step_s: float) -> None:
         """``update_interval="auto"``: fix S once from the first timed host update (see the docs)."""
+        self.fix_interval(choose_update_interval(host_update_s, device_step_s))
+
+    def fix_interval(self, interval: int) -> None:
+        """``update_interval="auto"``: fix S once (data parallel: the ranks' agreed choice)."""
         if not self.interval_decided:
-            self.interval = choose_update_interval(host_update_s, device_step_s)
+            self.interval = interval
             self.interval_decided = True
 
     # ---------------------------------------------------------------------------------------------- state

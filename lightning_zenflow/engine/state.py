@@ -40,7 +40,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
     """Per parameter name: full fp32 master and moments (device values for device columns) and counts.
 
-    Blocking device -> host copies: a synchronisation point on CUDA, taken only at checkpoints.
+    Blocking device -> host copies: a synchronisation point on CUDA, taken only at checkpoints. Data parallel:
+    every rank's host rows are gathered (collectives: every rank calls this at the same point), so the state
+    is the same whatever the number of ranks, and any number of ranks can resume it.
     """
     engine.synchronize_device()
     merged = {}
@@ -54,7 +56,7 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
                 ("exp_avg", host.exp_avg, state.exp_avg),
                 ("exp_avg_sq", host.exp_avg_sq, state.exp_avg_sq),
             ):
-                full = slot.view2d(host_row).clone()
+                full = engine.ranks.gather_rows(slot.view2d(host_row), slot.rows, engine.device)
                 if state.k:
                     full.index_copy_(1, state.selected_host, device_tensor.cpu())
                 entry[key] = full.view(slot.param.shape)
@@ -250,12 +252,13 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
         host = engine.host_buffers[group_index]
         for slot in group.matrices:
             entry = params[slot.name]
-            slot.view2d(host.master).copy_(entry["master"].reshape(slot.rows, slot.cols))
-            slot.view2d(host.exp_avg).copy_(moment(slot.name, "exp_avg").reshape(slot.rows, slot.cols))
-            slot.view2d(host.exp_avg_sq).copy_(moment(slot.name, "exp_avg_sq").reshape(slot.rows, slot.cols))
+            slot.view2d(host.master).copy_(slot.own(entry["master"]))
+            slot.view2d(host.exp_avg).copy_(slot.own(moment(slot.name, "exp_avg")))
+            exp_avg_sq = moment(slot.name, "exp_avg_sq").reshape(slot.rows, slot.cols)
+            slot.view2d(host.exp_avg_sq).copy_(slot.own(exp_avg_sq))
             host.step_shared[slot.index_in_group] = float(entry["host_step"])
             saved = entry["selected"].to(torch.long)
-            chosen = _selection_for_ratio(engine, slot, saved, slot.view2d(host.exp_avg_sq))
+            chosen = _selection_for_ratio(engine, slot, saved, exp_avg_sq)
             if slot.name in window_sums and not torch.equal(chosen, saved):
                 window_sums[slot.name] = _without_leaving(window_sums[slot.name], slot, saved, chosen)
             selected.append(chosen)
@@ -454,8 +457,8 @@ def load_torch_state_dict(engine: ZenFlowEngine, torch_state: Mapping) -> None:
             if slot.name not in moments:
                 continue
             entry = moments[slot.name]
-            slot.view2d(host.exp_avg).copy_(entry["exp_avg"].reshape(slot.rows, slot.cols))
-            slot.view2d(host.exp_avg_sq).copy_(entry["exp_avg_sq"].reshape(slot.rows, slot.cols))
+            slot.view2d(host.exp_avg).copy_(slot.own(entry["exp_avg"]))
+            slot.view2d(host.exp_avg_sq).copy_(slot.own(entry["exp_avg_sq"]))
             host.step_shared[slot.index_in_group] = float(entry["step"])
             updater.selected[group_index][position].step = entry["step"]
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):

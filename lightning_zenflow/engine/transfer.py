@@ -32,6 +32,7 @@ import torch
 
 from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
 from lightning_zenflow.engine.layout import GroupHostBuffers, MatrixSlot, staging_view
+from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.streams import Event, Lanes
 
 STAGING_SLOT_BYTES = 64 * 1024 * 1024
@@ -41,8 +42,9 @@ CONVERT_CHUNK_ELEMENTS = 1 << 20
 
 
 def packed_view(row: torch.Tensor, slot: MatrixSlot, columns: int) -> torch.Tensor:
-    """``[rows, columns]`` contiguous at the start of ``slot``'s region of a host row (host mode's accumulator)."""
-    return row[slot.offset : slot.offset + slot.rows * columns].view(slot.rows, columns)
+    """``[host_rows, columns]`` contiguous at the start of ``slot``'s region of a host row (host mode's
+    accumulator)."""
+    return row[slot.offset : slot.offset + slot.host_rows * columns].view(slot.host_rows, columns)
 
 
 class Helper:
@@ -95,8 +97,11 @@ class DeviceAccumulation:
     def __init__(self, lanes: Lanes, slots: Sequence[MatrixSlot], host_buffers: Sequence[GroupHostBuffers]) -> None:
         self.lanes = lanes
         self.host_buffers = host_buffers
+        # this rank's rows only: the other rows' host state lives on other ranks
         self.acc_device = {
-            (s.group_index, s.index_in_group): torch.zeros(s.rows, s.cols, dtype=torch.float32, device=lanes.device)
+            (s.group_index, s.index_in_group): torch.zeros(
+                s.host_rows, s.cols, dtype=torch.float32, device=lanes.device
+            )
             for s in slots
         }
         self._offsets = {(s.group_index, s.index_in_group): s.offset for s in slots}
@@ -122,7 +127,7 @@ class DeviceAccumulation:
                 continue
             # made on the compute stream, read on the side stream: keep it alive past zero_grad
             self.lanes.keep_for(grad, self.lanes.side)
-            grad2d = grad.view(state.slot.rows, state.slot.cols)
+            grad2d = state.slot.own(grad)
             if first_in_window:
                 acc.copy_(grad2d)  # the window's first gradient overwrites: no zeroing pass
             else:
@@ -148,13 +153,14 @@ class DeviceAccumulation:
         return self.copied_down
 
     def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
-        """The open window's sum for one matrix, ``[rows, cols]`` fp32 on the CPU (checkpoints)."""
+        """The open window's sum of this rank's rows of one matrix, ``[host_rows, cols]`` fp32 on the CPU."""
         return self.acc_device[(slot.group_index, slot.index_in_group)].cpu()
 
     def restore_window_sum(
         self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor, value: torch.Tensor
     ) -> None:
-        self.acc_device[(slot.group_index, slot.index_in_group)].copy_(value.reshape(slot.rows, slot.cols))
+        """Put back this rank's rows (``[host_rows, cols]``) of a saved window sum."""
+        self.acc_device[(slot.group_index, slot.index_in_group)].copy_(value)
 
     def bytes_held(self) -> int:
         return sum(t.nbytes for t in self.acc_device.values())
@@ -213,8 +219,9 @@ class HostAccumulation:
                     f"{self.slot_bytes}-byte staging slot; use accumulate_on='device'."
                 )
             rows_per_chunk = self.slot_bytes // row_bytes
-            for row_start in range(0, state.slot.rows, rows_per_chunk):
-                row_stop = min(state.slot.rows, row_start + rows_per_chunk)
+            first_row = state.slot.row_start
+            for row_start in range(first_row, state.slot.row_stop, rows_per_chunk):
+                row_stop = min(state.slot.row_stop, row_start + rows_per_chunk)
                 ring = self._acquire()
                 shape = (row_stop - row_start, n_unselected)
                 numel = shape[0] * shape[1]
@@ -229,7 +236,8 @@ class HostAccumulation:
                     chunk_host.copy_(chunk_device, non_blocking=lanes.is_cuda)
                     self.copied[ring].record(lanes.d2h)
                 self.d2h_bytes += numel * grad.element_size()
-                helper.submit(self.add_staged, ring, chunk_host, acc2d[row_start:row_stop], first_in_window)
+                acc_rows = acc2d[row_start - first_row : row_stop - first_row]
+                helper.submit(self.add_staged, ring, chunk_host, acc_rows, first_in_window)
 
     def _acquire(self) -> int:
         """The next ring slot, once the helper thread has finished adding its previous contents."""
@@ -277,8 +285,9 @@ class HostAccumulation:
         return self.lanes.event()
 
     def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
-        """The open window's sum for one matrix, ``[rows, cols]`` fp32 (zero in the selected columns)."""
-        full = torch.zeros(slot.rows, slot.cols, dtype=torch.float32)
+        """The open window's sum of this rank's rows of one matrix, ``[host_rows, cols]`` fp32 (zero in the
+        selected columns)."""
+        full = torch.zeros(slot.host_rows, slot.cols, dtype=torch.float32)
         packed = packed_view(self.host_buffers[slot.group_index].grad_acc(host_slot), slot, unselected.numel())
         full.index_copy_(1, unselected.cpu(), packed)
         return full
@@ -287,7 +296,7 @@ class HostAccumulation:
         self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor, value: torch.Tensor
     ) -> None:
         packed = packed_view(self.host_buffers[slot.group_index].grad_acc(host_slot), slot, unselected.numel())
-        packed.copy_(value.reshape(slot.rows, slot.cols).index_select(1, unselected.cpu()))
+        packed.copy_(value.index_select(1, unselected.cpu()))
 
     def bytes_held(self) -> int:
         """Device bytes: the two staging slots."""
@@ -300,7 +309,10 @@ class HostAccumulation:
 
 class Uploads:
     """The new weights of a host update, up to the device. ``prefetch``: through a device buffer of the model's
-    size (device mode), copied as soon as the worker is done, landed by a device copy."""
+    size (device mode), copied as soon as the worker is done, landed by a device copy.
+
+    Under data parallel each rank uploads its own rows; at the landing step the ranks share them
+    (:meth:`Ranks.share_rows`, in place in the parameters) before the selected columns are restored."""
 
     def __init__(
         self,
@@ -308,12 +320,19 @@ class Uploads:
         device_updater: DeviceUpdater,
         host_buffers: Sequence[GroupHostBuffers],
         prefetch_slots: Sequence[MatrixSlot] | None,
+        ranks: Ranks | None = None,
     ) -> None:
         self.lanes = lanes
         self.device_updater = device_updater
         self.host_buffers = host_buffers
+        self.ranks = ranks or Ranks()
         self.buffers_device = (
-            {(s.group_index, s.index_in_group): torch.empty_like(s.param.data) for s in prefetch_slots}
+            {
+                (s.group_index, s.index_in_group): torch.empty(
+                    s.host_rows, s.cols, dtype=s.param.dtype, device=lanes.device
+                )
+                for s in prefetch_slots
+            }
             if prefetch_slots is not None
             else None
         )
@@ -340,7 +359,7 @@ class Uploads:
                 states = self.device_updater.selected[group_index]
                 for index in indices:
                     source = self._source(group_index, states[index], slot)
-                    target = self.buffers_device[(group_index, index)].view(source.shape)
+                    target = self.buffers_device[(group_index, index)]
                     target.copy_(source, non_blocking=lanes.is_cuda)
                     self.h2d_bytes += source.nbytes
             self.source_read.record(lanes.h2d)
@@ -361,12 +380,14 @@ class Uploads:
                 for index in indices:
                     state = states[index]
                     param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
+                    own_rows = param2d[state.slot.row_start : state.slot.row_stop]
                     if self.buffers_device is not None:
-                        param2d.copy_(self.buffers_device[(group_index, index)].view(param2d.shape))
+                        own_rows.copy_(self.buffers_device[(group_index, index)])
                     else:
                         source = self._source(group_index, state, slot)
-                        param2d.copy_(source, non_blocking=lanes.is_cuda)
+                        own_rows.copy_(source, non_blocking=lanes.is_cuda)
                         self.h2d_bytes += source.nbytes
+                    self.ranks.share_rows(param2d)  # data parallel: every rank's rows, on every rank
                     self.device_updater.write_selected(state)
             if self.buffers_device is None:
                 self.source_read.record(lanes.side)

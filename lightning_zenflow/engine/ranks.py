@@ -1,0 +1,124 @@
+"""The data-parallel ranks an engine shares its host state with, and the few collectives it needs.
+
+Data parallel ZenFlow (DESIGN section 2): every rank holds the same all-reduced gradient and updates the selected
+columns itself (the device state is replicated), while the host state is *sharded by rows*: of every matrix, rank
+``r`` owns the row block ``Ranks.row_range(rows)[r]`` (``torch.chunk`` semantics: blocks of ``ceil(rows / world)``,
+the last ones shorter or empty). Its host block, its worker and its transfers cover only those rows, so host memory
+and link bytes per rank drop by the number of ranks.
+
+Rows owned elsewhere reach a rank through three collectives, all issued by the training thread at points of the
+rule that every rank reaches in the same order (window landings, refreshes, checkpoints, the ``"auto"`` choices):
+
+- :meth:`Ranks.share_rows`: each rank holds its own rows of a tensor; afterwards every rank holds all of them
+  (one broadcast per owner, in place);
+- :meth:`Ranks.broadcast_`: rank 0's selection to every rank (ties in top-k must not split the ranks);
+- :meth:`Ranks.agree`: one number agreed by all ranks (max or min), for choices that depend on timing or memory.
+
+One rank (``world == 1``) makes every collective a no-op: the single-device engine is this code with one rank.
+The engine module imports no Lightning; the process group is torch.distributed's, made by whoever launched the
+ranks (Lightning's DDP strategy, torchrun, a test).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands among the data-parallel ranks.
+
+    Args:
+        rank: this process's global rank.
+        world: the number of ranks.
+        local_rank: its rank among the ranks on this machine (they share its cores and memory).
+        local_world: the number of ranks on this machine.
+        group: the torch.distributed process group (None: the default group).
+    """
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+    group: object | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world} ranks.")
+        if not 0 <= self.local_rank < self.local_world:
+            raise ValueError(f"local rank {self.local_rank} is outside {self.local_world} local ranks.")
+
+    @classmethod
+    def from_process_group(cls, local_rank: int = 0, local_world: int = 1, group: object | None = None) -> Ranks:
+        """The ranks of torch.distributed's (initialised) default group, or of ``group``."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(local_rank=0, local_world=1)
+        return cls(
+            rank=dist.get_rank(group),
+            world=dist.get_world_size(group),
+            local_rank=local_rank,
+            local_world=local_world,
+            group=group,
+        )
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+    def row_range(self, rows: int) -> list[tuple[int, int]]:
+        """``[(start, stop)]`` per rank: the row block each rank owns of a matrix with ``rows`` rows."""
+        per_rank = max(1, math.ceil(rows / self.world))
+        ranges = []
+        for rank in range(self.world):
+            start = min(rows, rank * per_rank)
+            ranges.append((start, min(rows, start + per_rank)))
+        return ranges
+
+    def own_rows(self, rows: int) -> tuple[int, int]:
+        return self.row_range(rows)[self.rank]
+
+    # ------------------------------------------------------------------------------------------- collectives
+    def share_rows(self, tensor: torch.Tensor) -> None:
+        """Every rank holds its own row block of ``tensor`` (``[rows, ...]``, contiguous, on the collective's
+        device); afterwards every rank holds every row. In place: one broadcast per owner of a non-empty block."""
+        if not self.sharded:
+            return
+        import torch.distributed as dist
+
+        for owner, (start, stop) in enumerate(self.row_range(tensor.shape[0])):
+            if stop > start:
+                dist.broadcast(tensor[start:stop], src=owner, group=self.group)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``tensor`` on every rank (in place)."""
+        if self.sharded:
+            import torch.distributed as dist
+
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    def agree(self, value: float, device: torch.device, op: str = "max") -> float:
+        """The maximum (or minimum) of ``value`` over the ranks."""
+        if not self.sharded:
+            return value
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
+        return float(tensor.item())
+
+    def gather_rows(self, shard: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+        """The whole ``[rows, ...]`` tensor on the CPU from each rank's row block ``shard`` (on the CPU). The
+        exchange runs on ``device`` (NCCL needs CUDA tensors); used at checkpoints only."""
+        if not self.sharded:
+            return shard.clone()
+        start, stop = self.own_rows(rows)
+        full = torch.zeros((rows, *shard.shape[1:]), dtype=shard.dtype, device=device)
+        full[start:stop].copy_(shard)
+        self.share_rows(full)
+        return full.cpu()

@@ -1,0 +1,193 @@
+"""Running a few data-parallel ranks on the CPU (gloo) inside a test: module-level targets, results in files.
+
+Ranks are spawned processes (a test's local function cannot be pickled; assertions that need a rank's objects run
+inside it and the results come back as files). Every launch has a deadline: a hung rank fails the test, and every
+rank still alive is killed, never left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.ranks import Ranks
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout_s: float = 120.0) -> list[int]:
+    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes; their exit codes."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
+    saved = dict(os.environ)
+    # the ranks run the engine only: skip the package's Lightning import (seconds per rank), as its worker does
+    os.environ["LIGHTNING_ZENFLOW_HOST_WORKER"] = "1"
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        restore_env(saved)
+    try:
+        for process in processes:
+            process.join(timeout_s)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+    return [process.exitcode for process in processes]
+
+
+def init_group(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=GROUP_TIMEOUT
+        )
+
+
+class SmallNet(nn.Module):
+    """Two matrices with row counts that 2 and 3 ranks do not divide evenly, a bias, and a 3-D weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(12, 9)
+        self.mixer = nn.Parameter(torch.randn(5, 3, 3) * 0.2)
+        self.second = nn.Linear(9, 4, bias=False)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.first(inputs))
+        mixed = hidden + torch.tanh(hidden[:, :5] @ self.mixer.reshape(5, 9))
+        return self.second(mixed)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(12, 12, generator=generator), torch.randn(12, 4, generator=generator)
+
+
+def engine_rank(
+    rank: int, world: int, port: int, config: dict, steps: int, out: str, same_batch: bool, checkpoint_at: int | None
+) -> None:
+    """One rank: train :class:`SmallNet` with the engine, gradients averaged over the ranks (as DDP does); write
+    the weights, the consolidated states and the per-rank host and link bytes to ``out/rank{rank}.pt``.
+
+    ``same_batch``: every rank sees the whole batch (gradients then equal the one-rank run's bit for bit);
+    otherwise rank r takes rows r, r + world, ... of it. ``checkpoint_at``: also save the states after that step.
+    """
+    import torch.distributed as dist
+
+    init_group(rank, world, port)
+    torch.manual_seed(0)
+    model = SmallNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    names = {param: name for name, param in model.named_parameters()}
+    engine = ZenFlowEngine(
+        optimizer,
+        ZenFlowConfig(**config, host_threads=1, bind_cores=False),
+        param_names=names,
+        ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
+    ).start()
+    result: dict[str, Any] = {"link": [], "host_bytes": engine.host_bytes()}
+    try:
+        for step in range(1, steps + 1):
+            inputs, targets = batch(step)
+            if not same_batch:
+                inputs, targets = inputs[rank::world], targets[rank::world]
+            loss = (model(inputs) - targets).square().mean()
+            loss.backward()
+            if world > 1 and not same_batch:
+                for param in model.parameters():
+                    dist.all_reduce(param.grad)
+                    param.grad /= world
+            stats = engine.step()
+            engine.wait_for_update()
+            result["link"].append((stats.d2h_bytes, stats.h2d_bytes))
+            optimizer.zero_grad()
+            if step == checkpoint_at:
+                result["checkpoint"] = {
+                    "step": step,
+                    "engine": engine.state_dict(),
+                    "torch": engine.torch_state_dict(),
+                    "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                }
+        engine.flush()
+        engine.wait_for_update()
+        result["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result["torch_state"] = engine.torch_state_dict()
+        result["accumulate_on"] = engine.accumulate_on
+        result["interval"] = engine.update_interval
+    finally:
+        engine.close()
+    torch.save(result, pathlib.Path(out) / f"rank{rank}.pt")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def resume_rank(rank: int, world: int, port: int, config: dict, checkpoint: str, steps: int, out: str) -> None:
+    """One rank: restore a consolidated engine state (saved at any number of ranks), train ``steps`` more steps on
+    the whole batch, write the weights."""
+    import torch.distributed as dist
+
+    init_group(rank, world, port)
+    saved = torch.load(checkpoint, weights_only=False)
+    torch.manual_seed(0)
+    model = SmallNet()
+    model.load_state_dict(saved["weights"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    names = {param: name for name, param in model.named_parameters()}
+    engine = ZenFlowEngine(
+        optimizer,
+        ZenFlowConfig(**config, host_threads=1, bind_cores=False),
+        param_names=names,
+        ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
+    ).start()
+    try:
+        if "engine" in saved:
+            engine.load_state_dict(saved["engine"], torch_state=saved["torch"])
+        else:
+            engine.load_torch_state_dict(saved["torch"])
+        first = saved.get("step", 0) + 1
+        for step in range(first, first + steps):
+            inputs, targets = batch(step)
+            (model(inputs) - targets).square().mean().backward()
+            engine.step()
+            engine.wait_for_update()
+            optimizer.zero_grad()
+        engine.flush()
+        engine.wait_for_update()
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        engine.close()
+    torch.save({"weights": weights}, pathlib.Path(out) / f"rank{rank}.pt")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def load_results(out: pathlib.Path, world: int) -> list[dict]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def restore_env(saved: dict[str, str]) -> None:
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)
