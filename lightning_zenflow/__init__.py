@@ -1,7 +1,8 @@
 """lightning_zenflow: ZenFlow offloaded fine-tuning as a PyTorch Lightning strategy.
 
-``import lightning_zenflow`` registers the strategy name ``"zenflow"`` (Lightning has no entry-point
-discovery for strategies, so the import is what makes ``Trainer(strategy="zenflow")`` work).
+``import lightning_zenflow`` registers the strategy names ``"zenflow"``, ``"zenflow_ddp"`` and
+``"zenflow_ddp_spawn"`` (Lightning has no entry-point discovery for strategies, so the import is what makes
+``Trainer(strategy="zenflow")`` work).
 """
 
 import importlib
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 _LIGHTNING_NAMES = {
     "CheckpointError": "lightning_zenflow.strategy",
+    "ZenFlowDDPStrategy": "lightning_zenflow.ddp",
     "ZenFlowPrecision": "lightning_zenflow.precision",
     "ZenFlowStrategy": "lightning_zenflow.strategy",
     "ZenFlowTelemetry": "lightning_zenflow.telemetry",
@@ -26,11 +28,13 @@ _LIGHTNING_NAMES = {
 if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_zenflow.ddp import ZenFlowDDPStrategy
     from lightning_zenflow.precision import ZenFlowPrecision
     from lightning_zenflow.strategy import CheckpointError, ZenFlowStrategy
     from lightning_zenflow.telemetry import ZenFlowTelemetry
 
     ZenFlowStrategy.register_strategies(StrategyRegistry)
+    ZenFlowDDPStrategy.register_strategies(StrategyRegistry)
 else:
 
     def __getattr__(name: str) -> Any:
@@ -45,6 +49,7 @@ __all__ = [
     "HostWorkerError",
     "StepStats",
     "ZenFlowConfig",
+    "ZenFlowDDPStrategy",
     "ZenFlowEngine",
     "ZenFlowPrecision",
     "ZenFlowStrategy",

@@ -34,7 +34,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.strategy import ZenFlowStrategy
+from lightning_zenflow.strategy import ZenFlowStrategy, ZenFlowStrategyBase
 
 PROG = "lightning-zenflow"
 DEBUG_ENV = "LIGHTNING_ZENFLOW_DEBUG"
@@ -168,7 +168,7 @@ def check_strategy_knobs(strategy: Any) -> None:
         return
     module_name, _, class_name = strategy.class_path.rpartition(".")
     strategy_class = getattr(sys.modules.get(module_name), class_name, None)  # jsonargparse imported it to parse
-    if not (isinstance(strategy_class, type) and issubclass(strategy_class, ZenFlowStrategy)):
+    if not (isinstance(strategy_class, type) and issubclass(strategy_class, ZenFlowStrategyBase)):
         return
     init_args = strategy.get("init_args") or Namespace()
     knobs = {field.name: init_args[field.name] for field in fields(ZenFlowConfig) if field.name in init_args}

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
@@ -25,6 +26,7 @@ from typing_extensions import override
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine.engine import SUPPORTED_OPTIMIZERS
+from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state import check_state, state_dict_mismatch, unreadable_checkpoint
 from lightning_zenflow.precision import ZenFlowPrecision
 
@@ -37,114 +39,37 @@ class CheckpointError(ValueError):
     and what differs; it is raised before anything from the file is loaded into the model or the optimizer."""
 
 
-class ZenFlowStrategy(SingleDeviceStrategy):
-    """Train with ZenFlow: the important columns of every weight matrix on the device, the rest on a CPU worker.
+def zenflow_knobs(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The ZenFlow knobs among a strategy's ``__init__`` arguments (``locals()``), as :class:`ZenFlowConfig` takes
+    them."""
+    knobs = {field.name: arguments[field.name] for field in fields(ZenFlowConfig) if field.name in arguments}
+    knobs["sync_on"] = tuple(knobs["sync_on"])
+    return knobs
 
-    Every knob is documented in :class:`lightning_zenflow.config.ZenFlowConfig` (and the README table); the
-    device comes from ``Trainer(accelerator=..., devices=...)`` unless ``device`` is given.
 
-    Args:
-        topk_ratio: fraction of columns of each matrix updated on the device every step.
-        update_interval: steps per host window S, or ``"auto"``.
-        select_strategy: ``"auto"``, ``"step"`` or ``"epoch"``: when the important columns are re-chosen.
-        select_interval: refresh period in the unit of ``select_strategy``, or ``"auto"``.
-        full_warm_up_rounds: first steps run as plain synchronous AdamW.
-        overlap_step: run the host update in the background (its result lands one window later).
-        accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
-        importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
-        sync_on: boundaries at which host work in flight is applied: ``"validation"``, ``"epoch_end"``,
-            ``"checkpoint"``.
-        host_threads: threads of the host worker (``None``: its share of the cores).
-        pt_reserved_cores_perc: share of the cores kept for the training process.
-        bind_cores: pin the training process and the host worker to disjoint cores.
-        worker_timeout_s: a host worker silent this long fails the run.
-        log_telemetry: log ``zenflow/*`` metrics and show the stall share in the progress bar.
-        device: the device to train on; default: the one the Trainer's accelerator flags choose.
-        accelerator: passed to Lightning.
-        checkpoint_io: passed to Lightning.
-        precision_plugin: passed to Lightning; any plugin is converted to :class:`ZenFlowPrecision`.
+class ZenFlowStrategyBase:
+    """What the one-device and the data-parallel ZenFlow strategies share: the engine's lifecycle, the sync
+    boundaries, the optimizer step (through :class:`ZenFlowPrecision`) and checkpoints.
+
+    A mixin ahead of a Lightning strategy class in the bases (``ZenFlowStrategy(ZenFlowStrategyBase,
+    SingleDeviceStrategy)``): ``super()`` here reaches the Lightning class.
     """
 
-    strategy_name = "zenflow"
+    zenflow_config: ZenFlowConfig
 
-    def __init__(
-        self,
-        topk_ratio: float = 0.1,
-        update_interval: int | Literal["auto"] = 4,
-        select_strategy: Literal["auto", "step", "epoch"] = "auto",
-        select_interval: int | Literal["auto"] = "auto",
-        full_warm_up_rounds: int = 0,
-        overlap_step: bool = True,
-        accumulate_on: Literal["auto", "device", "host"] = "auto",
-        importance: Literal["l2", "l1"] = "l2",
-        sync_on: tuple[str, ...] | list[str] = ("validation", "checkpoint"),
-        host_threads: int | None = None,
-        pt_reserved_cores_perc: float = 0.5,
-        bind_cores: bool = True,
-        worker_timeout_s: float = 10.0,
-        log_telemetry: bool = True,
-        device: str | torch.device | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-    ) -> None:
+    def _init_zenflow(self, knobs: Mapping[str, Any]) -> None:
         # validated here, before any Trainer exists: a bad knob fails at construction with the fix named
-        self.zenflow_config = ZenFlowConfig(
-            topk_ratio=topk_ratio,
-            update_interval=update_interval,
-            select_strategy=select_strategy,
-            select_interval=select_interval,
-            full_warm_up_rounds=full_warm_up_rounds,
-            overlap_step=overlap_step,
-            accumulate_on=accumulate_on,
-            importance=importance,
-            sync_on=tuple(sync_on),
-            host_threads=host_threads,
-            pt_reserved_cores_perc=pt_reserved_cores_perc,
-            bind_cores=bind_cores,
-            worker_timeout_s=worker_timeout_s,
-            log_telemetry=log_telemetry,
-        )
-        self._explicit_device = device is not None
-        self._parallel_devices: list[torch.device] | None = None
-        super().__init__(
-            device=device if device is not None else "cpu",
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        self.zenflow_config = ZenFlowConfig(**knobs)
         self.engine: ZenFlowEngine | None = None
         self._final_state: tuple[dict, dict] | None = None
         self._checkpoint_path: str | None = None
         self._own_callbacks: list[Callback] = []
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description="ZenFlow offloaded AdamW (one device)")
-
-    # ---------------------------------------------------------------------------------------------- devices
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self._explicit_device and self.parallel_devices:
-            return self.parallel_devices[0]
-        return self._root_device
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """The devices of ``Trainer(accelerator=..., devices=...)``, filled by Lightning's accelerator connector."""
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        # the connector sets this while the Trainer is built: a second device fails there, before any fit
-        _check_one_device(devices)
-        self._parallel_devices = devices
+    def _engine_ranks(self) -> Ranks:
+        """The data-parallel ranks the engine shards its host state across (one here)."""
+        return Ranks()
 
     @property  # type: ignore[override]
-    @override
     def precision_plugin(self) -> ZenFlowPrecision:
         plugin = self._precision_plugin
         if plugin is None:
@@ -156,25 +81,11 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         # Lightning's connector hands any strategy chosen by name a generic plugin: wrap it
         self._precision_plugin = None if plugin is None else ZenFlowPrecision.from_plugin(plugin)
 
-    @override
-    def setup_environment(self) -> None:
-        _check_one_device(self.parallel_devices)
-        _check_one_node(self.num_nodes)
+    def _check_accelerator(self) -> None:
         if self.root_device.type not in ("cpu", "cuda"):
             raise MisconfigurationException(
-                f"ZenFlowStrategy supports the 'cuda' and 'cpu' accelerators, got {self.root_device.type!r}."
+                f"ZenFlow supports the 'cuda' and 'cpu' accelerators, got {self.root_device.type!r}."
             )
-        super().setup_environment()
-
-    @property
-    def num_nodes(self) -> int:
-        """``Trainer(num_nodes=...)``, filled by Lightning's accelerator connector; ZenFlow runs on one."""
-        return getattr(self, "_num_nodes", 1)
-
-    @num_nodes.setter
-    def num_nodes(self, value: int) -> None:
-        _check_one_node(value)
-        self._num_nodes = value
 
     # ---------------------------------------------------------------------------------------------- lifecycle
     @override
@@ -188,7 +99,9 @@ class ZenFlowStrategy(SingleDeviceStrategy):
         self._final_state = None
         module = self.lightning_module
         names = {param: name for name, param in module.named_parameters()}
-        self.engine = ZenFlowEngine(self.optimizers[0], self.zenflow_config, param_names=names).start()
+        self.engine = ZenFlowEngine(
+            self.optimizers[0], self.zenflow_config, param_names=names, ranks=self._engine_ranks()
+        ).start()
         self.precision_plugin.engine = self.engine
         self._install_callbacks(trainer)
 
@@ -419,21 +332,6 @@ class ZenFlowStrategy(SingleDeviceStrategy):
             group.update({key: value for key, value in saved.items() if key != "params"})
 
 
-def _check_one_device(devices: list[torch.device] | None) -> None:
-    if devices is not None and len(devices) > 1:
-        raise MisconfigurationException(
-            f"ZenFlowStrategy runs on one device, but devices={len(devices)} were requested "
-            f"({[str(d) for d in devices]}). Use Trainer(devices=1); multi-device ZenFlow is not implemented yet."
-        )
-
-
-def _check_one_node(num_nodes: int) -> None:
-    if num_nodes != 1:
-        raise MisconfigurationException(
-            f"ZenFlowStrategy runs on one node, but num_nodes={num_nodes} was requested. Use Trainer(num_nodes=1)."
-        )
-
-
 class _SyncBoundaries(Callback):
     """Applies host work in flight at the ``sync_on`` boundaries that Lightning reaches through callbacks.
 
@@ -441,7 +339,7 @@ class _SyncBoundaries(Callback):
     LightningModule's and the strategy's own hooks, which Lightning calls after the callbacks) see the model.
     """
 
-    def __init__(self, strategy: ZenFlowStrategy) -> None:
+    def __init__(self, strategy: ZenFlowStrategyBase) -> None:
         self.strategy = strategy
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -451,3 +349,144 @@ class _SyncBoundaries(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "epoch_end" in self.strategy.zenflow_config.sync_on:
             self.strategy.sync()
+
+
+class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
+    """Train with ZenFlow: the important columns of every weight matrix on the device, the rest on a CPU worker.
+
+    Every knob is documented in :class:`lightning_zenflow.config.ZenFlowConfig` (and the README table); the
+    device comes from ``Trainer(accelerator=..., devices=...)`` unless ``device`` is given. With more than one
+    device or node (``Trainer(strategy="zenflow", devices=N, num_nodes=M)``) Lightning's connector hands this
+    object the devices and it becomes a :class:`~lightning_zenflow.ddp.ZenFlowDDPStrategy` with the same knobs.
+
+    Args:
+        topk_ratio: fraction of columns of each matrix updated on the device every step.
+        update_interval: steps per host window S, or ``"auto"``.
+        select_strategy: ``"auto"``, ``"step"`` or ``"epoch"``: when the important columns are re-chosen.
+        select_interval: refresh period in the unit of ``select_strategy``, or ``"auto"``.
+        full_warm_up_rounds: first steps run as plain synchronous AdamW.
+        overlap_step: run the host update in the background (its result lands one window later).
+        accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
+        importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
+        sync_on: boundaries at which host work in flight is applied: ``"validation"``, ``"epoch_end"``,
+            ``"checkpoint"``.
+        host_threads: threads of the host worker (``None``: its share of the cores).
+        pt_reserved_cores_perc: share of the cores kept for the training process.
+        bind_cores: pin the training process and the host worker to disjoint cores.
+        worker_timeout_s: a host worker silent this long fails the run.
+        log_telemetry: log ``zenflow/*`` metrics and show the stall share in the progress bar.
+        device: the device to train on; default: the one the Trainer's accelerator flags choose.
+        accelerator: passed to Lightning.
+        checkpoint_io: passed to Lightning.
+        precision_plugin: passed to Lightning; any plugin is converted to :class:`ZenFlowPrecision`.
+    """
+
+    strategy_name = "zenflow"
+
+    def __init__(
+        self,
+        topk_ratio: float = 0.1,
+        update_interval: int | Literal["auto"] = 4,
+        select_strategy: Literal["auto", "step", "epoch"] = "auto",
+        select_interval: int | Literal["auto"] = "auto",
+        full_warm_up_rounds: int = 0,
+        overlap_step: bool = True,
+        accumulate_on: Literal["auto", "device", "host"] = "auto",
+        importance: Literal["l2", "l1"] = "l2",
+        sync_on: tuple[str, ...] | list[str] = ("validation", "checkpoint"),
+        host_threads: int | None = None,
+        pt_reserved_cores_perc: float = 0.5,
+        bind_cores: bool = True,
+        worker_timeout_s: float = 10.0,
+        log_telemetry: bool = True,
+        device: str | torch.device | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        knobs = zenflow_knobs(locals())
+        self._init_zenflow(knobs)
+        self._knobs = knobs
+        self._explicit_device = device is not None
+        self._parallel_devices: list[torch.device] | None = None
+        super().__init__(
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        # Lightning's connector fills this (for a data-parallel run: see parallel_devices)
+        self.cluster_environment: ClusterEnvironment | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="ZenFlow offloaded AdamW (one device; data parallel on several)"
+            )
+
+    # ---------------------------------------------------------------------------------------------- devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._explicit_device and self.parallel_devices:
+            return self.parallel_devices[0]
+        return self._root_device
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The devices of ``Trainer(accelerator=..., devices=...)``, filled by Lightning's accelerator connector."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        self._parallel_devices = devices
+        if devices is not None and len(devices) > 1:
+            self._become_data_parallel()
+
+    @property
+    def num_nodes(self) -> int:
+        """``Trainer(num_nodes=...)``, filled by Lightning's accelerator connector."""
+        return getattr(self, "_num_nodes", 1)
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._num_nodes = value
+        if value > 1:
+            self._become_data_parallel()
+
+    def _become_data_parallel(self) -> None:
+        """Turn this object into a :class:`~lightning_zenflow.ddp.ZenFlowDDPStrategy` with the same knobs.
+
+        Lightning's connector builds the strategy a name stands for before it knows the devices, then hands the
+        object the devices (this setter), the number of nodes, the ranks and the launcher, in that order. Taking
+        the data-parallel class here, before any of the rest, is what makes ``Trainer(strategy="zenflow",
+        devices=N, num_nodes=M)`` and ``Trainer(strategy=ZenFlowStrategy(...), devices=N)`` data parallel: the
+        connector then configures the object as any DDP strategy (world ranks, launcher, distributed sampler).
+        """
+        from lightning_zenflow.ddp import ZenFlowDDPStrategy
+
+        if self._explicit_device:
+            raise MisconfigurationException(
+                f"ZenFlowStrategy(device={str(self._root_device)!r}) trains on that one device, but "
+                f"devices={len(self._parallel_devices or [])} and num_nodes={self.num_nodes} were requested. Leave "
+                "out `device` (the Trainer's accelerator and devices choose them) or use Trainer(devices=1)."
+            )
+        replacement = ZenFlowDDPStrategy(
+            **self._knobs,
+            accelerator=self._accelerator,
+            parallel_devices=self._parallel_devices,
+            cluster_environment=self.cluster_environment,
+            checkpoint_io=self._checkpoint_io,
+            precision_plugin=self._precision_plugin,
+        )
+        replacement._num_nodes = self.num_nodes
+        self.__class__ = ZenFlowDDPStrategy  # type: ignore[assignment]
+        self.__dict__.clear()
+        self.__dict__.update(replacement.__dict__)
+
+    @override
+    def setup_environment(self) -> None:
+        self._check_accelerator()
+        super().setup_environment()

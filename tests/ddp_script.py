@@ -1,0 +1,123 @@
+"""A Lightning fit run as a script, for the data-parallel tests: Lightning's subprocess launcher re-runs
+``sys.argv`` for every other rank, so a data-parallel fit cannot start inside pytest itself.
+
+    python tests/ddp_script.py OUT_DIR '{"devices": 2, "strategy": {...}, ...}'
+
+Every rank writes ``OUT_DIR/rank{global_rank}.pt`` after the fit: its final weights, its engine's host bytes
+and link bytes, its worker's pid. Options (JSON): ``devices``, ``strategy`` (knobs of ``ZenFlowStrategy``, or
+``"adamw"`` for Lightning's plain DDP/single-device AdamW), ``batch_size``, ``max_steps``, ``ckpt_path`` (resume),
+``checkpoint_every`` (Lightning's ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at``
+(the rank-1 worker is killed at that step).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import signal
+import sys
+
+import lightning
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from lightning_helpers import TinyModule, make_dataset, weights  # noqa: E402
+
+
+class InOrderModule(TinyModule):
+    """Rank r takes samples r, r + world, ... in order: 2 ranks with batch b see the same global batches as 1 rank
+    with batch 2b (Lightning's own distributed sampler shuffles the training data)."""
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = make_dataset(self.samples, seed=0)
+        sampler = DistributedSampler(
+            dataset, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
+
+
+import lightning_zenflow  # noqa: E402
+
+
+class Record(Callback):
+    def __init__(self, kill_worker_at: int | None, out: pathlib.Path) -> None:
+        self.kill_worker_at = kill_worker_at
+        self.out = out
+        self.host_bytes: int | None = None
+        self.link: list[tuple[int, int]] = []
+        self.worker_pid: int | None = None
+
+    def on_train_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            self.worker_pid = engine.worker_pid
+            (self.out / f"worker{trainer.global_rank}.pid").write_text(str(engine.worker_pid))
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, *args: object) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None or engine.last_stats is None:
+            return
+        self.host_bytes = engine.last_stats.host_bytes
+        self.link.append((engine.last_stats.d2h_bytes, engine.last_stats.h2d_bytes))
+        if trainer.global_step == self.kill_worker_at and trainer.global_rank == 1:
+            os.kill(engine.worker_pid, signal.SIGKILL)
+
+
+def main() -> None:
+    out = pathlib.Path(sys.argv[1])
+    options = json.loads(sys.argv[2])
+    devices = options.get("devices", 1)
+    knobs = options.get("strategy", {})
+    if knobs == "adamw":
+        strategy = "ddp" if devices > 1 else "auto"
+        if devices > 1:
+            strategy = lightning.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=60))
+    else:
+        strategy = lightning_zenflow.ZenFlowStrategy(**{"host_threads": 1, "bind_cores": False, **knobs})
+    record = Record(options.get("kill_worker_at"), out)
+    callbacks: list[Callback] = [record]
+    if options.get("checkpoint_every"):
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=out, filename="{step}", every_n_train_steps=options["checkpoint_every"], save_top_k=-1
+            )
+        )
+    module = InOrderModule(samples=32, batch_size=options.get("batch_size", 4))
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=options.get("max_steps", 8),
+        max_epochs=100,
+        logger=False,
+        enable_checkpointing=bool(options.get("checkpoint_every")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        use_distributed_sampler=False,
+        default_root_dir=str(out),
+    )
+    if isinstance(trainer.strategy, lightning_zenflow.ZenFlowDDPStrategy):
+        trainer.strategy._timeout = datetime.timedelta(seconds=60)  # a hung peer fails a test within a minute
+    trainer.fit(module, ckpt_path=options.get("ckpt_path"))
+    result = {
+        "weights": weights(module),
+        "global_step": trainer.global_step,
+        "host_bytes": record.host_bytes,
+        "link": record.link,
+        "worker_pid": record.worker_pid,
+        "strategy": type(trainer.strategy).__name__,
+        "world_size": trainer.world_size,
+    }
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Data-parallel ZenFlow under Lightning: ``Trainer(strategy="zenflow", devices=2)`` on the CPU (gloo, 2 ranks).
+
+Each fit runs as a script in a subprocess (``tests/ddp_script.py``): Lightning's subprocess launcher re-runs the
+script for the second rank, every rank writes its results to a file, and the assertions run here. Covered: the
+strategy becomes data parallel by name and as an object; 2 ranks with batch b equal 1 rank with batch 2b; the
+degenerate case equals Lightning's AdamW; replicas hold the same weights; each rank holds half the host state and
+copies down half the bytes; a checkpoint written mid-run at 2 ranks resumes at 1 rank as the rest of the run, and
+under Lightning's plain AdamW; a plain AdamW checkpoint resumes at 2 ranks; a worker killed on one rank ends both
+ranks with the error, leaving no process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_helpers import assert_weights_close, assert_weights_equal, make_trainer, process_gone
+
+SCRIPT = pathlib.Path(__file__).parent / "ddp_script.py"
+KNOBS = {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step", "select_interval": 4}
+
+
+def run_script(out: pathlib.Path, timeout_s: float = 240.0, **options: object) -> subprocess.CompletedProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(out), json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+    )
+
+
+def results(out: pathlib.Path, ranks: int) -> list[dict]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
+
+
+class Fits:
+    """Each configuration is fitted once per module and shared by the tests that compare it."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root = root
+        self.cache: dict[str, list[dict]] = {}
+
+    def get(self, **options: object) -> list[dict]:
+        key = json.dumps(options, sort_keys=True)
+        if key not in self.cache:
+            out = self.root / f"fit{len(self.cache)}"
+            done = run_script(out, **options)
+            assert done.returncode == 0, done.stderr[-3000:]
+            self.cache[key] = results(out, int(options.get("devices", 1)))  # type: ignore[arg-type]
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
+    return Fits(tmp_path_factory.mktemp("fits"))
+
+
+def test_zenflow_by_name_and_as_object_becomes_data_parallel() -> None:
+    import lightning_zenflow
+
+    for strategy in ("zenflow", lightning_zenflow.ZenFlowStrategy(topk_ratio=0.3)):
+        trainer = make_trainer(strategy, devices=2)
+        assert isinstance(trainer.strategy, lightning_zenflow.ZenFlowDDPStrategy)
+        assert trainer.strategy.num_processes == 2
+        assert trainer._accelerator_connector.is_distributed  # Lightning adds its distributed sampler
+    assert trainer.strategy.zenflow_config.topk_ratio == 0.3  # the knobs survive
+    assert isinstance(make_trainer("zenflow", devices=1).strategy, lightning_zenflow.ZenFlowStrategy)
+    assert isinstance(make_trainer("zenflow_ddp_spawn", devices=2).strategy, lightning_zenflow.ZenFlowDDPStrategy)
+
+
+def test_an_explicit_device_with_several_devices_fails_with_the_fix() -> None:
+    import lightning_zenflow
+
+    with pytest.raises(MisconfigurationException, match="Leave out `device`"):
+        make_trainer(lightning_zenflow.ZenFlowStrategy(device="cpu"), devices=2)
+
+
+def test_two_ranks_equal_one_rank_with_the_doubled_batch(fits: Fits) -> None:
+    two = fits.get(devices=2, strategy=KNOBS, batch_size=4)
+    one = fits.get(devices=1, strategy=KNOBS, batch_size=8)
+    assert [r["strategy"] for r in two] == ["ZenFlowDDPStrategy"] * 2
+    assert two[0]["world_size"] == 2
+    assert two[0]["global_step"] == one[0]["global_step"] == 8
+    assert_weights_equal(two[1]["weights"], two[0]["weights"])  # replicas
+    assert_weights_close(two[0]["weights"], one[0]["weights"], atol=1e-6, rtol=1e-5)
+    # each rank holds half the matrices' host state and copies down half the bytes
+    assert two[0]["host_bytes"] < 0.75 * one[0]["host_bytes"]
+    d2h_one = sum(d for d, _ in one[0]["link"])
+    assert sum(d for d, _ in two[0]["link"]) + sum(d for d, _ in two[1]["link"]) == d2h_one
+
+
+def test_degenerate_case_equals_lightning_adamw(fits: Fits) -> None:
+    zenflow = fits.get(devices=2, strategy={"topk_ratio": 1.0}, batch_size=4)
+    adamw = fits.get(devices=2, strategy="adamw", batch_size=4)
+    assert_weights_close(zenflow[0]["weights"], adamw[0]["weights"], atol=1e-6, rtol=1e-5)
+
+
+def test_checkpoints_move_between_rank_counts_and_plain_adamw(fits: Fits) -> None:
+    # ModelCheckpoint at step 4: mid-run, mid-window (S 2 and a sync at the checkpoint), a selection in place
+    two = fits.get(devices=2, strategy=KNOBS, batch_size=4, checkpoint_every=4)
+    saved = fits.root / f"fit{len(fits.cache) - 1}" / "step=4.ckpt"
+    assert saved.exists()
+    # 2 ranks -> 1 rank: the rest of the 2-rank run, to float tolerance
+    resumed = fits.get(devices=1, strategy=KNOBS, batch_size=8, ckpt_path=str(saved), checkpoint_every=4)
+    assert resumed[0]["global_step"] == 8
+    assert_weights_close(resumed[0]["weights"], two[0]["weights"], atol=1e-6, rtol=1e-5)
+    # the same file is an ordinary AdamW checkpoint: Lightning's own AdamW resumes it
+    plain = fits.get(devices=1, strategy="adamw", batch_size=8, ckpt_path=str(saved))
+    assert plain[0]["global_step"] == 8
+    # and a plain AdamW checkpoint resumes under ZenFlow at 2 ranks
+    fits.get(devices=1, strategy="adamw", batch_size=8, checkpoint_every=4)
+    saved_adamw = fits.root / f"fit{len(fits.cache) - 1}" / "step=4.ckpt"
+    into_two = fits.get(devices=2, strategy=KNOBS, batch_size=4, ckpt_path=str(saved_adamw))
+    assert into_two[0]["global_step"] == 8
+    assert_weights_equal(into_two[1]["weights"], into_two[0]["weights"])
+
+
+def test_a_dead_worker_on_one_rank_ends_every_rank(tmp_path: pathlib.Path) -> None:
+    started = time.monotonic()
+    done = run_script(tmp_path, devices=2, strategy=KNOBS, max_steps=40, kill_worker_at=3)
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    assert "host worker" in done.stderr
+    assert not (tmp_path / "rank0.pt").exists()
+    for rank in range(2):
+        pid = int((tmp_path / f"worker{rank}.pid").read_text())
+        deadline = time.monotonic() + 10
+        while not process_gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process_gone(pid), f"the worker of rank {rank} outlived the run"
+    assert elapsed < 200
