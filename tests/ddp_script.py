@@ -7,7 +7,8 @@ Every rank writes ``OUT_DIR/rank{global_rank}.pt`` after the fit: its final weig
 and link bytes, its worker's pid. Options (JSON): ``devices``, ``strategy`` (knobs of ``ZenFlowStrategy``, or
 ``"adamw"`` for Lightning's plain DDP/single-device AdamW), ``batch_size``, ``max_steps``, ``ckpt_path`` (resume),
 ``checkpoint_every`` (Lightning's ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at``
-(the rank-1 worker is killed at that step).
+(the worker of rank ``fault_rank``, default 1, is killed at that step), ``fail_at`` (that rank raises at that
+step).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ import lightning_zenflow  # noqa: E402
 
 
 class Record(Callback):
-    def __init__(self, kill_worker_at: int | None, out: pathlib.Path) -> None:
+    def __init__(self, kill_worker_at: int | None, fail_at: int | None, fault_rank: int, out: pathlib.Path) -> None:
         self.kill_worker_at = kill_worker_at
+        self.fail_at = fail_at
+        self.fault_rank = fault_rank
         self.out = out
         self.host_bytes: int | None = None
         self.link: list[tuple[int, int]] = []
@@ -57,6 +60,7 @@ class Record(Callback):
         if engine is not None:
             self.worker_pid = engine.worker_pid
             (self.out / f"worker{trainer.global_rank}.pid").write_text(str(engine.worker_pid))
+        (self.out / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
 
     def on_train_batch_end(self, trainer: lightning.Trainer, *args: object) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -64,8 +68,10 @@ class Record(Callback):
             return
         self.host_bytes = engine.last_stats.host_bytes
         self.link.append((engine.last_stats.d2h_bytes, engine.last_stats.h2d_bytes))
-        if trainer.global_step == self.kill_worker_at and trainer.global_rank == 1:
+        if trainer.global_step == self.kill_worker_at and trainer.global_rank == self.fault_rank:
             os.kill(engine.worker_pid, signal.SIGKILL)
+        if trainer.global_step == self.fail_at and trainer.global_rank == self.fault_rank:
+            raise RuntimeError(f"a failure in rank {self.fault_rank}'s training step")
 
 
 def main() -> None:
@@ -79,7 +85,7 @@ def main() -> None:
             strategy = lightning.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=60))
     else:
         strategy = lightning_zenflow.ZenFlowStrategy(**{"host_threads": 1, "bind_cores": False, **knobs})
-    record = Record(options.get("kill_worker_at"), out)
+    record = Record(options.get("kill_worker_at"), options.get("fail_at"), options.get("fault_rank", 1), out)
     callbacks: list[Callback] = [record]
     if options.get("checkpoint_every"):
         callbacks.append(

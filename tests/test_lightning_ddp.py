@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -125,17 +126,57 @@ def test_checkpoints_move_between_rank_counts_and_plain_adamw(fits: Fits) -> Non
     assert_weights_equal(into_two[1]["weights"], into_two[0]["weights"])
 
 
-def test_a_dead_worker_on_one_rank_ends_every_rank(tmp_path: pathlib.Path) -> None:
+def assert_nothing_left(out: pathlib.Path) -> None:
+    """No rank process and no host worker of the run is alive (a few seconds' grace for the last exits)."""
+    for kind in ("rank", "worker"):
+        for rank in range(2):
+            pid = int((out / f"{kind}{rank}.pid").read_text())
+            deadline = time.monotonic() + 10
+            while not process_gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert process_gone(pid), f"the {kind} process of rank {rank} outlived the run"
+
+
+@pytest.mark.parametrize(
+    ("fault", "rank", "message"),
+    [("kill_worker_at", 1, "host worker"), ("kill_worker_at", 0, "host worker"), ("fail_at", 1, "rank 1's training")],
+)
+def test_a_fault_on_one_rank_ends_every_rank(tmp_path: pathlib.Path, fault: str, rank: int, message: str) -> None:
+    # rank 0 is the launcher: it ends the rank it started; a failing rank 1 ends rank 0 through the collectives
     started = time.monotonic()
-    done = run_script(tmp_path, devices=2, strategy=KNOBS, max_steps=40, kill_worker_at=3)
+    done = run_script(tmp_path, devices=2, strategy=KNOBS, max_steps=400, fault_rank=rank, **{fault: 3})
     elapsed = time.monotonic() - started
     assert done.returncode != 0
-    assert "host worker" in done.stderr
+    assert message in done.stderr
     assert not (tmp_path / "rank0.pt").exists()
-    for rank in range(2):
-        pid = int((tmp_path / f"worker{rank}.pid").read_text())
-        deadline = time.monotonic() + 10
-        while not process_gone(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert process_gone(pid), f"the worker of rank {rank} outlived the run"
-    assert elapsed < 200
+    assert_nothing_left(tmp_path)
+    assert elapsed < 200  # far below the 400 steps; the collective timeout here is 60 s
+
+
+def test_ctrl_c_ends_every_rank(tmp_path: pathlib.Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+    options = json.dumps({"devices": 2, "strategy": KNOBS, "max_steps": 100000})
+    # its own session: Ctrl-C in a terminal signals the whole foreground process group, as killpg does here
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(tmp_path), options],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"worker{rank}.pid").exists() for rank in range(2)):
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode != 0
+    assert_nothing_left(tmp_path)
