@@ -86,13 +86,22 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def engine_rank(
-    rank: int, world: int, port: int, config: dict, steps: int, out: str, same_batch: bool, checkpoint_at: int | None
+    rank: int,
+    world: int,
+    port: int,
+    config: dict,
+    steps: int,
+    out: str,
+    same_batch: bool,
+    checkpoint_at: int | None,
+    slow_rank: int | None = None,
 ) -> None:
     """One rank: train :class:`SmallNet` with the engine, gradients averaged over the ranks (as DDP does); write
     the weights, the consolidated states and the per-rank host and link bytes to ``out/rank{rank}.pt``.
 
     ``same_batch``: every rank sees the whole batch (gradients then equal the one-rank run's bit for bit);
     otherwise rank r takes rows r, r + world, ... of it. ``checkpoint_at``: also save the states after that step.
+    ``slow_rank``: that rank's worker sleeps 0.3 s before each update (timings differ between the ranks).
     """
     import torch.distributed as dist
 
@@ -106,6 +115,7 @@ def engine_rank(
         ZenFlowConfig(**config, host_threads=1, bind_cores=False),
         param_names=names,
         ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
+        host_delay_s=0.3 if rank == slow_rank else 0.0,
     ).start()
     result: dict[str, Any] = {"link": [], "host_bytes": engine.host_bytes()}
     try:

@@ -100,6 +100,45 @@ def test_offload_bench_quick(tmp_path: pathlib.Path) -> None:
         assert out.with_suffix(".png").exists()
 
 
+def test_ddp_bench_quick(tmp_path: pathlib.Path) -> None:
+    """``ddp_bench.py --quick``: 1 rank against 2 gloo ranks, device mode. The bytes are exact, so they are checked:
+    each of two ranks holds and moves half of what one rank does (the quick model's row counts are even)."""
+    stdout, result, _ = run_quick("ddp_bench", tmp_path)
+    for header in ("CPU ONLY", "Per rank", "2 ranks / 1 rank", "host/rank", "d2h MiB/step"):
+        assert header in stdout
+    check_machine(result["machine"])
+    assert result["failures"] == []
+    assert [launch["exit_codes"] for launch in result["launches"]] == [[0], [0, 0]]
+    settings = result["settings"]
+    summary = result["summary"]
+    assert set(summary) == {"device 1/0", "device 2/0", "device 2/1"}
+    for record in result["records"]:
+        assert record["accumulate_on"] == "device"
+        assert len(record["step_s"]) == len(record["d2h_bytes"]) == settings["measured_steps"]
+        assert settings["measured_steps"] % settings["update_interval"] == 0, "whole windows are measured"
+    for name, entry in summary.items():
+        for key in ("host_bytes", "device_bytes", "median_step_s", "p99_step_s", "eval_loss"):
+            assert positive(entry[key]), f"{name}: {key} = {entry[key]}"
+        assert 0.0 <= entry["stall_share"] <= 1.0
+    for name in ("device 2/0", "device 2/1"):
+        assert positive(summary[name]["median_allreduce_s"])
+    # device mode, fp32: the accumulator down and the weights up, once per window of 4, of every matrix's own rows
+    width, layers = settings["width"], settings["layers"]
+    matrix_elements = (8 * layers + 1) * width * width  # per block d x 4d twice, and the d x d head
+    one = summary["device 1/0"]
+    assert one["d2h_bytes_per_step"] == pytest.approx(matrix_elements * 4 / 4)
+    assert one["h2d_bytes_per_step"] == pytest.approx(matrix_elements * 4 / 4)
+    ratios = result["ratios_2_over_1"]["device"]
+    assert ratios["d2h_per_rank"] == pytest.approx(0.5)
+    assert ratios["h2d_per_rank"] == pytest.approx(0.5)
+    assert ratios["host_bytes_per_rank"] == pytest.approx(0.5, rel=0.01)
+    assert ratios["host_bytes_per_machine"] == pytest.approx(1.0, rel=0.01)
+    # the same training: the ranks agree, and 2 ranks equal 1 rank up to the order of float additions
+    assert summary["device 2/0"]["weights_checksum"] == summary["device 2/1"]["weights_checksum"]
+    assert ratios["eval_loss_relative_difference"] < 1e-5
+    assert ratios["weights_sum_relative_difference"] < 1e-5
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error message on a machine without CUDA")
 def test_offload_bench_cuda_fails_clearly_without_cuda(tmp_path: pathlib.Path) -> None:
     process = subprocess.run(

@@ -32,12 +32,12 @@ class Runs:
         self.root = root
         self.cache: dict[tuple, list[dict]] = {}
 
-    def get(self, config: dict, world: int, same_batch: bool = True) -> list[dict]:
-        key = (tuple(sorted(config.items())), world, same_batch)
+    def get(self, config: dict, world: int, same_batch: bool = True, slow_rank: int | None = None) -> list[dict]:
+        key = (tuple(sorted(config.items())), world, same_batch, slow_rank)
         if key not in self.cache:
             out = self.root / f"run{len(self.cache)}"
             out.mkdir()
-            codes = run_ranks(engine_rank, world, config, STEPS, str(out), same_batch, CHECKPOINT_AT)
+            codes = run_ranks(engine_rank, world, config, STEPS, str(out), same_batch, CHECKPOINT_AT, slow_rank)
             assert codes == [0] * world, f"ranks exited with {codes}"
             self.cache[key] = load_results(out, world)
         return self.cache[key]
@@ -74,10 +74,12 @@ def test_sharded_host_state_equals_one_rank(runs: Runs, mode: str, world: int) -
     one = runs.get(config, 1)[0]
     ranks = runs.get(config, world)
     for result in ranks:
-        # every rank holds the whole model, equal to one rank's, and the consolidated state too
+        # every rank holds the whole model, equal to one rank's
         assert_close_dicts(result["weights"], one["weights"])
-        assert_close_torch_state(result["torch_state"], one["torch_state"])
         assert result["accumulate_on"] == mode
+    # the consolidated state is rank 0's, the others' is empty
+    assert_close_torch_state(ranks[0]["torch_state"], one["torch_state"])
+    assert all(result["torch_state"]["state"] == {} for result in ranks[1:])
     for result in ranks[1:]:
         assert_equal_dicts(result["weights"], ranks[0]["weights"])  # replicas: bit for bit
 
@@ -152,3 +154,57 @@ def test_state_saved_at_two_ranks_resumes_at_other_counts(
     assert codes == [0] * resume_world
     for result in load_results(out, resume_world):
         assert_close_dicts(result["weights"], uninterrupted["weights"])
+
+
+def test_ranks_agree_on_an_automatic_interval_when_their_timings_differ(runs: Runs) -> None:
+    # rank 1's worker is slow: alone it would choose a longer window than rank 0; both must take the same one
+    # (different windows would desynchronise the landings' broadcasts and hang the run)
+    config = {"topk_ratio": 0.25, "update_interval": "auto", "accumulate_on": "device"}
+    ranks = runs.get(config, 2, slow_rank=1)
+    assert ranks[0]["interval"] == ranks[1]["interval"]
+    assert_equal_dicts(ranks[1]["weights"], ranks[0]["weights"])
+
+
+def test_ranks_on_one_machine_take_disjoint_cores_unless_a_launcher_bound_them() -> None:
+    from lightning_zenflow.engine.ranks import Ranks
+
+    everything = list(range(16))
+    slices = [Ranks(rank=r, world=4, local_rank=r, local_world=4).own_cores(everything, 16) for r in range(4)]
+    assert slices == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    # bound by the launcher (4 of 16 cores for each of 4 ranks): kept as it is
+    assert Ranks(rank=1, world=4, local_rank=1, local_world=4).own_cores([5, 7, 9, 11], 16) == [5, 7, 9, 11]
+    assert Ranks().own_cores(everything, 16) == everything
+    # more ranks than cores: each still gets one
+    assert Ranks(rank=2, world=3, local_rank=2, local_world=3).own_cores([0, 1], 2) == [1]
+
+
+def test_row_blocks_follow_torch_chunk() -> None:
+    from lightning_zenflow.engine.ranks import Ranks
+
+    for rows in (1, 4, 5, 9, 64):
+        for world in (1, 2, 3, 8):
+            blocks = Ranks(rank=0, world=world).row_range(rows)
+            chunks = [c.shape[0] for c in torch.arange(rows).chunk(world)]
+            sizes = [stop - start for start, stop in blocks]
+            assert sizes[: len(chunks)] == chunks
+            assert sum(sizes) == rows
+            assert all(size == 0 for size in sizes[len(chunks) :])
+
+
+def test_preflight_counts_every_rank_on_the_machine() -> None:
+    from lightning_zenflow.engine.layout import build_layout
+    from lightning_zenflow.engine.preflight import HostResourceError, MachineResources, check_host_resources
+
+    layout = build_layout([{"params": [torch.nn.Parameter(torch.zeros(1024, 1024))]}])
+    need = 20 * 1024 * 1024
+    machine = MachineResources(
+        shm_free_bytes=3 * need,
+        shm_total_bytes=4 * need,
+        ram_available_bytes=8 * need,
+        ram_source="MemAvailable",
+        memlock_soft_bytes=None,
+        memlock_hard_bytes=None,
+    )
+    check_host_resources(layout, torch.device("cpu"), machine, ranks_per_host=2)
+    with pytest.raises(HostResourceError):
+        check_host_resources(layout, torch.device("cpu"), machine, ranks_per_host=4)

@@ -180,3 +180,47 @@ def test_ctrl_c_ends_every_rank(tmp_path: pathlib.Path) -> None:
             process.wait()
     assert process.returncode != 0
     assert_nothing_left(tmp_path)
+
+
+TWO_RANK_YAML = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy: zenflow
+  max_steps: 4
+  max_epochs: 1
+  limit_val_batches: 2
+  val_check_interval: 2
+  enable_progress_bar: false
+  logger: false
+  enable_checkpointing: false
+model:
+  class_path: lightning_zenflow.demo.CausalLMModule
+  init_args: {n_layer: 1, n_head: 2, n_embd: 32, block_size: 32}
+data:
+  class_path: lightning_zenflow.demo.ByteCorpusDataModule
+  init_args: {block_size: 32, batch_size: 4, max_bytes: 200000}
+"""
+
+
+def test_console_script_with_a_two_rank_yaml(tmp_path: pathlib.Path) -> None:
+    import shutil
+
+    script = shutil.which("lightning-zenflow", path=str(pathlib.Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the lightning-zenflow console script is not installed (python -m pip install -e .)")
+    (tmp_path / "two.yaml").write_text(TWO_RANK_YAML)
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [script, "fit", "--config", "two.yaml", "--trainer.strategy.host_threads=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
+    assert "ZenFlow run summary: 4 optimizer steps" in output

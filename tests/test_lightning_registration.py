@@ -103,10 +103,14 @@ def test_strategy_instance_keeps_its_knobs_and_pickles() -> None:
 
 @pytest.mark.parametrize("flag", ["devices", "num_nodes"])
 @pytest.mark.parametrize("strategy", ["zenflow", "instance"])
-def test_two_devices_or_nodes_fail_when_the_trainer_is_built(strategy: str, flag: str) -> None:
-    chosen = ZenFlowStrategy() if strategy == "instance" else strategy
-    with pytest.raises(MisconfigurationException, match=rf"Use Trainer\({flag}=1\)"):
-        lightning.Trainer(strategy=chosen, accelerator="cpu", logger=False, **{flag: 2})
+def test_two_devices_or_nodes_make_it_data_parallel(strategy: str, flag: str) -> None:
+    from lightning_zenflow import ZenFlowDDPStrategy
+
+    chosen = ZenFlowStrategy(topk_ratio=0.2) if strategy == "instance" else strategy
+    trainer = lightning.Trainer(strategy=chosen, accelerator="cpu", logger=False, **{flag: 2})
+    assert isinstance(trainer.strategy, ZenFlowDDPStrategy)
+    assert trainer.strategy.world_size == 2
+    assert trainer.strategy.zenflow_config.topk_ratio == (0.2 if strategy == "instance" else 0.1)
     assert not multiprocessing.active_children()
 
 

@@ -245,17 +245,9 @@ class ZenFlowEngine:
         self._worker = HostWorker(spec, timeout_s=self.config.worker_timeout_s)
 
     def _own_cores(self) -> list[int] | None:
-        """This rank's share of the machine's cores: all it may use when a launcher bound it (its affinity is at
-        most its share already); otherwise the ``local_rank``-th of ``local_world`` equal slices."""
         if not hasattr(os, "sched_getaffinity"):
             return None
-        cores = sorted(os.sched_getaffinity(0))
-        local_world = self.ranks.local_world
-        share = max(1, len(cores) // local_world)
-        if local_world == 1 or len(cores) <= share:
-            return cores
-        start = min(self.ranks.local_rank * share, len(cores) - share)
-        return cores[start : start + share]
+        return self.ranks.own_cores(sorted(os.sched_getaffinity(0)), os.cpu_count() or 1)
 
     @staticmethod
     def _extents(group) -> list[MatrixExtent]:
@@ -754,8 +746,8 @@ class ZenFlowEngine:
     # ------------------------------------------------------------------------------------------------- state
     def window_sums(self) -> dict[str, torch.Tensor]:
         """The open window's accumulated gradient sums, ``{name: fp32 tensor shaped like the parameter}``, on
-        the CPU (empty when no window is open). Call after :meth:`wait_idle`; data parallel: on every rank (the
-        rows are gathered)."""
+        the CPU (empty when no window is open). Call after :meth:`wait_idle`; data parallel: on rank 0 (the rows
+        are gathered; every rank must call it), empty on the others."""
         if self.schedule.steps_in_window == 0 or self.accumulation is None:
             return {}
         sums = {}
@@ -765,7 +757,9 @@ class ZenFlowEngine:
                 continue
             unselected = _complement(state.selected_host, slot.cols)
             own = self.accumulation.window_sum(slot, self.schedule.slot, unselected)
-            sums[slot.name] = self.ranks.gather_rows(own, slot.rows, self.device).reshape(slot.param.shape)
+            total = self.ranks.gather_rows(own, slot.rows, self.device)
+            if total is not None:
+                sums[slot.name] = total.reshape(slot.param.shape)
         return sums
 
     def restore_window_sums(self, sums: Mapping[str, torch.Tensor]) -> None:
@@ -790,7 +784,8 @@ class ZenFlowEngine:
     def state_dict(self, include_moments: bool = True) -> dict:
         """Everything needed to continue exactly, keyed by parameter name (see ``engine/state.py``).
 
-        Waits for a host update in flight to finish computing, but never applies it early.
+        Waits for a host update in flight to finish computing, but never applies it early. Data parallel: every
+        rank must call it (the host rows are gathered); the parameters' entries are on rank 0 only.
         """
         return engine_state.engine_state_dict(self, include_moments)
 
@@ -801,7 +796,8 @@ class ZenFlowEngine:
 
     def torch_state_dict(self) -> dict:
         """The optimizer state in ``torch.optim.AdamW`` format: full fp32 moments and a step per parameter,
-        merged from the device (selected columns) and the host (the rest)."""
+        merged from the device (selected columns) and the host (the rest). Data parallel: every rank must call it;
+        the per-parameter state is on rank 0 only (empty elsewhere)."""
         return engine_state.torch_state_dict(self)
 
     def load_torch_state_dict(self, torch_state: Mapping) -> None:

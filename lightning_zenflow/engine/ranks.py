@@ -82,6 +82,20 @@ class Ranks:
     def own_rows(self, rows: int) -> tuple[int, int]:
         return self.row_range(rows)[self.rank]
 
+    def own_cores(self, affinity: list[int], machine_cores: int) -> list[int]:
+        """The cores this rank splits between its training process and its worker.
+
+        Its whole ``affinity`` when a launcher bound it (SLURM ``--cpu-bind``, numactl, taskset: the affinity is then
+        at most its share of the machine); otherwise (every rank sees every core) the ``local_rank``-th of
+        ``local_world`` equal slices of it, so the ranks on one machine do not pin their workers to the same cores.
+        """
+        share = max(1, machine_cores // self.local_world)
+        if self.local_world == 1 or len(affinity) <= share:
+            return list(affinity)
+        per_rank = max(1, len(affinity) // self.local_world)
+        start = min(self.local_rank * per_rank, len(affinity) - per_rank)
+        return list(affinity[start : start + per_rank])
+
     # ------------------------------------------------------------------------------------------- collectives
     def share_rows(self, tensor: torch.Tensor) -> None:
         """Every rank holds its own row block of ``tensor`` (``[rows, ...]``, contiguous, on the collective's
@@ -112,13 +126,15 @@ class Ranks:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
         return float(tensor.item())
 
-    def gather_rows(self, shard: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-        """The whole ``[rows, ...]`` tensor on the CPU from each rank's row block ``shard`` (on the CPU). The
-        exchange runs on ``device`` (NCCL needs CUDA tensors); used at checkpoints only."""
+    def gather_rows(self, shard: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor | None:
+        """The whole ``[rows, ...]`` tensor, on the CPU of rank 0, from each rank's row block ``shard`` (on the CPU);
+        None on the other ranks, which only take part. The exchange runs on ``device`` (NCCL needs CUDA tensors),
+        one matrix at a time: one full matrix of device memory at the peak, and host memory for the whole state
+        on rank 0 only. Used at checkpoints."""
         if not self.sharded:
             return shard.clone()
         start, stop = self.own_rows(rows)
         full = torch.zeros((rows, *shard.shape[1:]), dtype=shard.dtype, device=device)
         full[start:stop].copy_(shard)
         self.share_rows(full)
-        return full.cpu()
+        return full.cpu() if self.rank == 0 else None

@@ -41,10 +41,12 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
     """Per parameter name: full fp32 master and moments (device values for device columns) and counts.
 
     Blocking device -> host copies: a synchronisation point on CUDA, taken only at checkpoints. Data parallel:
-    every rank's host rows are gathered (collectives: every rank calls this at the same point), so the state
-    is the same whatever the number of ranks, and any number of ranks can resume it.
+    every rank's host rows are gathered to rank 0 (collectives: every rank calls this at the same point), so the
+    state is the same whatever the number of ranks, and any number of ranks can resume it; the other ranks take
+    part and get an empty dict (the convention of Lightning's consolidated optimizer states).
     """
     engine.synchronize_device()
+    keep = engine.ranks.rank == 0
     merged = {}
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
@@ -57,9 +59,13 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
                 ("exp_avg_sq", host.exp_avg_sq, state.exp_avg_sq),
             ):
                 full = engine.ranks.gather_rows(slot.view2d(host_row), slot.rows, engine.device)
+                if full is None:
+                    continue
                 if state.k:
                     full.index_copy_(1, state.selected_host, device_tensor.cpu())
                 entry[key] = full.view(slot.param.shape)
+            if not keep:
+                continue
             entry.update(
                 kind="matrix",
                 device_step=state.step,
@@ -67,6 +73,8 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
                 selected=state.selected_host.clone(),
             )
             merged[slot.name] = entry
+        if not keep:
+            continue
         for state, device_entry in zip(engine.device_updater.device_only[group_index], group.device_only):
             merged[device_entry.name] = {
                 "kind": "device",
@@ -84,7 +92,8 @@ def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
     engine.wait_idle()
     params = _merged(engine)
     for name, window_sum in engine.window_sums().items():
-        params[name]["grad_acc"] = window_sum
+        if name in params:  # data parallel: rank 0 only
+            params[name]["grad_acc"] = window_sum
     if not include_moments:
         for entry in params.values():
             for key in MOMENTS:
@@ -436,7 +445,7 @@ def torch_state_dict(engine: ZenFlowEngine) -> dict:
     for group in engine.optimizer.param_groups:
         for param in group["params"]:
             name = by_id.get(id(param))
-            if name is not None:
+            if name is not None and name in merged:  # data parallel: rank 0 only
                 entry = merged[name]
                 state[position] = {
                     "step": torch.tensor(float(max(entry["device_step"], entry["host_step"])), dtype=torch.float32),
