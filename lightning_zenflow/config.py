@@ -77,6 +77,11 @@ class ZenFlowConfig:
     log_telemetry: bool = True
     """Log ``zenflow/*`` metrics through the Trainer's loggers and show the stall share in the progress bar."""
 
+    checkpoint_format: Literal["full", "sharded"] = "full"
+    """``"full"``: one ``.ckpt`` file, the optimizer state consolidated in torch AdamW format (on rank 0 under data
+    parallel). ``"sharded"``: a directory where every rank writes its share through torch.distributed.checkpoint,
+    for models whose consolidated state does not fit one host; it resumes at any number of ranks, under ZenFlow."""
+
     def __post_init__(self) -> None:
         # frozen dataclass: normalise through object.__setattr__
         if isinstance(self.sync_on, str):
@@ -151,6 +156,11 @@ class ZenFlowConfig:
             raise TypeError(f"bind_cores must be True or False, got {self.bind_cores!r}.")
         if not isinstance(self.log_telemetry, bool):
             raise TypeError(f"log_telemetry must be True or False, got {self.log_telemetry!r}.")
+        if self.checkpoint_format not in ("full", "sharded"):
+            raise ValueError(
+                f"checkpoint_format={self.checkpoint_format!r} is not one of 'full' (one .ckpt file) or 'sharded' (a "
+                "directory written by every rank)."
+            )
         if not (float(self.worker_timeout_s) > 0):
             raise ValueError(f"worker_timeout_s={self.worker_timeout_s} must be > 0 seconds.")
 

@@ -64,6 +64,7 @@ class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
         bind_cores: pin each rank's training process and host worker to disjoint cores.
         worker_timeout_s: a host worker silent this long fails the run (on every rank).
         log_telemetry: log ``zenflow/*`` metrics and show the stall share in the progress bar.
+        checkpoint_format: ``"full"`` (one ``.ckpt`` file) or ``"sharded"`` (a directory, every rank its share).
         accelerator: passed to Lightning.
         parallel_devices: passed to Lightning (normally filled from ``Trainer(devices=...)``).
         cluster_environment: passed to Lightning (normally detected: SLURM, torchrun, Lightning's own).
@@ -94,6 +95,7 @@ class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
         bind_cores: bool = True,
         worker_timeout_s: float = 10.0,
         log_telemetry: bool = True,
+        checkpoint_format: Literal["full", "sharded"] = "full",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

@@ -8,6 +8,7 @@ hands the gradients to the engine instead.
 from __future__ import annotations
 
 import math
+import pathlib
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, Literal
@@ -29,6 +30,14 @@ from lightning_zenflow.engine.engine import SUPPORTED_OPTIMIZERS
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state import check_state, state_dict_mismatch, unreadable_checkpoint
 from lightning_zenflow.precision import ZenFlowPrecision
+from lightning_zenflow.sharded import (
+    FORMAT_KEY,
+    META_FILE,
+    is_sharded_checkpoint,
+    load_sharded,
+    matrix_shapes,
+    save_sharded,
+)
 
 CHECKPOINT_KEY = "zenflow"
 """Top-level checkpoint key of the engine's own state (the moments live in ``optimizer_states``)."""
@@ -61,7 +70,8 @@ class ZenFlowStrategyBase:
         # validated here, before any Trainer exists: a bad knob fails at construction with the fix named
         self.zenflow_config = ZenFlowConfig(**knobs)
         self.engine: ZenFlowEngine | None = None
-        self._final_state: tuple[dict, dict] | None = None
+        # after fit: (torch state or None, engine state, matrix shapes or None), for trainer.save_checkpoint
+        self._final_state: tuple[dict | None, dict, dict | None] | None = None
         self._checkpoint_path: str | None = None
         self._own_callbacks: list[Callback] = []
 
@@ -229,9 +239,16 @@ class ZenFlowStrategyBase:
         try:
             if cache_state and not engine.closed:
                 # trainer.save_checkpoint() after fit must still find the optimizer state
-                self._final_state = (engine.torch_state_dict(), engine.state_dict(include_moments=False))
+                if self._sharded_checkpoints:
+                    self._final_state = (None, engine.row_block_state_dict(), matrix_shapes(engine))
+                else:
+                    self._final_state = (engine.torch_state_dict(), engine.state_dict(include_moments=False), None)
         finally:
             engine.close()
+
+    @property
+    def _sharded_checkpoints(self) -> bool:
+        return self.zenflow_config.checkpoint_format == "sharded"
 
     # -------------------------------------------------------------------------------------------- checkpoints
     @override
@@ -245,6 +262,9 @@ class ZenFlowStrategyBase:
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._sharded_checkpoints and (self.engine is not None or self._final_state is not None):
+            # the moments go into the sharded directory (save_checkpoint), not into one consolidated dict
+            return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
         if self.engine is not None:
             return self.engine.torch_state_dict()
         if self._final_state is not None:
@@ -253,6 +273,14 @@ class ZenFlowStrategyBase:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if "optimizer_states" in checkpoint and self._sharded_checkpoints:
+            if self.engine is not None:
+                state, shapes = self.engine.row_block_state_dict(), matrix_shapes(self.engine)
+                self._save_sharded(checkpoint, filepath, state, shapes)
+                return
+            if self._final_state is not None:
+                self._save_sharded(checkpoint, filepath, self._final_state[1], self._final_state[2])
+                return
         if "optimizer_states" in checkpoint:
             if self.engine is not None:
                 checkpoint[CHECKPOINT_KEY] = self.engine.state_dict(include_moments=False)
@@ -260,14 +288,31 @@ class ZenFlowStrategyBase:
                 checkpoint[CHECKPOINT_KEY] = self._final_state[1]
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    def _save_sharded(
+        self, checkpoint: dict[str, Any], filepath: Any, state: dict, shapes: dict[str, tuple[int, int]]
+    ) -> None:
+        """``checkpoint_format="sharded"``: every rank writes its share of a directory (``sharded.py``)."""
+        path = self.broadcast(str(filepath))  # every rank writes into rank 0's directory
+        save_sharded(
+            path,
+            checkpoint,
+            state,
+            shapes,
+            self._engine_ranks(),
+            write_meta=lambda meta, file: self.checkpoint_io.save_checkpoint(meta, file),
+        )
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Read a checkpoint file and check it against the module before Lightning loads anything from it.
+        """Read a checkpoint file (or a sharded directory) and check it against the module before Lightning loads
+        anything from it.
 
         A file that cannot be read (truncated, corrupt, not a checkpoint) or that was saved for another model
         (parameter names or shapes) fails here, with the file named and what differs.
         """
         self._checkpoint_path = str(checkpoint_path)
+        if is_sharded_checkpoint(checkpoint_path):
+            return self._load_sharded(checkpoint_path, *args, **kwargs)
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         except FileNotFoundError:
@@ -277,6 +322,28 @@ class ZenFlowStrategyBase:
         problem = self._checkpoint_mismatch(checkpoint)
         if problem is not None:
             raise CheckpointError(f"cannot resume from {checkpoint_path}: {problem}")
+        return checkpoint
+
+    def _load_sharded(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        meta_file = pathlib.Path(path) / META_FILE
+        try:
+            meta = super().load_checkpoint(meta_file, *args, **kwargs)  # type: ignore[misc]
+        except Exception as error:
+            raise CheckpointError(unreadable_checkpoint(meta_file, error)) from error
+        module = self.lightning_module
+        written = meta.get(FORMAT_KEY, {}).get("model", {})
+        shapes_only = {key: torch.empty(shape, device="meta") for key, shape in written.items()}
+        problem = state_dict_mismatch(shapes_only, module.state_dict(), strict=getattr(module, "strict_loading", True))
+        if problem is not None:
+            raise CheckpointError(f"cannot resume from {path}: {problem}")
+        param_shapes = {name: tuple(param.shape) for name, param in module.named_parameters()}
+        try:
+            checkpoint = load_sharded(path, meta, module.state_dict(), param_shapes, self._engine_ranks())
+        except Exception as error:
+            raise CheckpointError(unreadable_checkpoint(path, error)) from error
+        problem = self._checkpoint_mismatch(checkpoint)
+        if problem is not None:
+            raise CheckpointError(f"cannot resume from {path}: {problem}")
         return checkpoint
 
     def _checkpoint_mismatch(self, checkpoint: object) -> str | None:
@@ -375,6 +442,7 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         bind_cores: pin the training process and the host worker to disjoint cores.
         worker_timeout_s: a host worker silent this long fails the run.
         log_telemetry: log ``zenflow/*`` metrics and show the stall share in the progress bar.
+        checkpoint_format: ``"full"`` (one ``.ckpt`` file) or ``"sharded"`` (a directory, every rank its share).
         device: the device to train on; default: the one the Trainer's accelerator flags choose.
         accelerator: passed to Lightning.
         checkpoint_io: passed to Lightning.
@@ -399,6 +467,7 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         bind_cores: bool = True,
         worker_timeout_s: float = 10.0,
         log_telemetry: bool = True,
+        checkpoint_format: Literal["full", "sharded"] = "full",
         device: str | torch.device | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,

@@ -744,10 +744,11 @@ class ZenFlowEngine:
             raise RuntimeError("the ZenFlowEngine is not running; call start() first (and not after close()).")
 
     # ------------------------------------------------------------------------------------------------- state
-    def window_sums(self) -> dict[str, torch.Tensor]:
+    def window_sums(self, row_blocks: bool = False) -> dict[str, torch.Tensor]:
         """The open window's accumulated gradient sums, ``{name: fp32 tensor shaped like the parameter}``, on
         the CPU (empty when no window is open). Call after :meth:`wait_idle`; data parallel: on rank 0 (the rows
-        are gathered; every rank must call it), empty on the others."""
+        are gathered; every rank must call it), empty on the others. ``row_blocks``: this rank's rows of each sum
+        (``[host_rows, cols]``), no collective."""
         if self.schedule.steps_in_window == 0 or self.accumulation is None:
             return {}
         sums = {}
@@ -757,28 +758,38 @@ class ZenFlowEngine:
                 continue
             unselected = _complement(state.selected_host, slot.cols)
             own = self.accumulation.window_sum(slot, self.schedule.slot, unselected)
+            if row_blocks:
+                sums[slot.name] = own
+                continue
             total = self.ranks.gather_rows(own, slot.rows, self.device)
             if total is not None:
                 sums[slot.name] = total.reshape(slot.param.shape)
         return sums
 
-    def restore_window_sums(self, sums: Mapping[str, torch.Tensor]) -> None:
+    def restore_window_sums(self, sums: Mapping[str, torch.Tensor], row_blocks: bool = False) -> None:
         """Put saved window sums back (before the first step: kept until the accumulation mode is chosen), and the
-        window's kept counts from the restored schedule."""
+        window's kept counts from the restored schedule. ``row_blocks``: the sums are this rank's rows only."""
         if self.schedule.window_kept is not None:
             flat = [float(k) for group in self.schedule.window_kept for k in group]
             self._kept_device.copy_(torch.tensor(flat, dtype=torch.float32))
+        by_rows = {}
+        for state in self.device_updater.matrix_states():
+            slot = state.slot
+            if slot.name in sums:
+                value = sums[slot.name].float()
+                by_rows[slot.name] = value.reshape(slot.host_rows, slot.cols) if row_blocks else slot.own(value)
         if self.accumulation is None:
-            self._restored_window_sums = dict(sums)
+            self._restored_window_sums = by_rows
         else:
-            self._restore_window_sums(sums)
+            self._restore_window_sums(by_rows)
 
     def _restore_window_sums(self, sums: Mapping[str, torch.Tensor]) -> None:
+        """``sums``: this rank's rows of each matrix's window sum."""
         for state in self.device_updater.matrix_states():
             slot = state.slot
             if slot.name in sums and self._may_go_to_host(slot):
                 unselected = _complement(state.selected_host, slot.cols)
-                own = slot.own(sums[slot.name].float())
+                own = sums[slot.name]
                 self.accumulation.restore_window_sum(slot, self.schedule.slot, unselected, own)
 
     def state_dict(self, include_moments: bool = True) -> dict:
@@ -788,6 +799,11 @@ class ZenFlowEngine:
         rank must call it (the host rows are gathered); the parameters' entries are on rank 0 only.
         """
         return engine_state.engine_state_dict(self, include_moments)
+
+    def row_block_state_dict(self) -> dict:
+        """:meth:`state_dict` with each matrix as this rank's row block, without a collective (sharded checkpoints,
+        ``engine/state.py``); :meth:`load_state_dict` takes it back into an engine whose rank owns the same rows."""
+        return engine_state.engine_row_blocks(self)
 
     def load_state_dict(self, state_dict: Mapping, torch_state: Mapping | None = None) -> None:
         """Restore :meth:`state_dict` into a started engine that has not stepped yet. Moments missing from

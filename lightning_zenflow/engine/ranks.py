@@ -126,6 +126,16 @@ class Ranks:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
         return float(tensor.item())
 
+    def all_reduce_sum(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The sum of ``tensor`` (on the CPU) over the ranks, on the CPU (run on ``device``)."""
+        if not self.sharded:
+            return tensor
+        import torch.distributed as dist
+
+        total = tensor.to(device=device, copy=True)
+        dist.all_reduce(total, group=self.group)
+        return total.cpu()
+
     def gather_rows(self, shard: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor | None:
         """The whole ``[rows, ...]`` tensor, on the CPU of rank 0, from each rank's row block ``shard`` (on the CPU);
         None on the other ranks, which only take part. The exchange runs on ``device`` (NCCL needs CUDA tensors),

@@ -87,6 +87,48 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
     return merged
 
 
+def engine_row_blocks(engine: ZenFlowEngine) -> dict:
+    """The engine state with each matrix as this rank's row block (``[host_rows, cols]``: master, moments, the open
+    window's sum), no collective: the sharded checkpoint format. ``row_blocks`` marks it; it loads only into an
+    engine whose rank owns the same rows (the sharded checkpoint reader reshards before it loads)."""
+    engine.wait_idle()
+    engine.synchronize_device()
+    params = {}
+    for group_index, group in enumerate(engine.layout):
+        host = engine.host_buffers[group_index]
+        for state in engine.device_updater.selected[group_index]:
+            slot = state.slot
+            entry: dict = {}
+            for key, host_row, device_tensor in (
+                ("master", host.master, state.master),
+                ("exp_avg", host.exp_avg, state.exp_avg),
+                ("exp_avg_sq", host.exp_avg_sq, state.exp_avg_sq),
+            ):
+                block = slot.view2d(host_row).clone()
+                if state.k:
+                    block.index_copy_(1, state.selected_host, device_tensor[slot.row_start : slot.row_stop].cpu())
+                entry[key] = block
+            entry.update(
+                kind="matrix",
+                device_step=state.step,
+                host_step=int(host.step_shared[slot.index_in_group]),
+                selected=state.selected_host.clone(),
+            )
+            params[slot.name] = entry
+        for state, device_entry in zip(engine.device_updater.device_only[group_index], group.device_only):
+            params[device_entry.name] = {
+                "kind": "device",
+                "master": state.master.detach().cpu().clone(),
+                "exp_avg": state.exp_avg.cpu().clone(),
+                "exp_avg_sq": state.exp_avg_sq.cpu().clone(),
+                "device_step": state.step,
+                "host_step": 0,
+            }
+    for name, block in engine.window_sums(row_blocks=True).items():
+        params[name]["grad_acc"] = block
+    return {"version": STATE_VERSION, "params": params, "progress": engine.schedule.state_dict(), "row_blocks": True}
+
+
 def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
     # wait for the host update in flight to finish computing; applying it now would change the run
     engine.wait_idle()
@@ -175,6 +217,8 @@ def check_state(state: object, shapes: Mapping[str, tuple[int, ...]], require_al
             value = entry[key]
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 raise ValueError(f"the saved {key} of {name} is not a floating-point tensor; it is corrupt.")
+            if state.get("row_blocks") and len(shape) >= 2:
+                continue  # a rank's row block; its reader checked the whole matrix's shape
             if tuple(value.shape) != shape:
                 differences.append(f"{name} ({key}): checkpoint {tuple(value.shape)}, model {shape}")
         if "selected" in entry and len(shape) >= 2 and not differences:
@@ -235,6 +279,10 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
     params = state["params"]
     _check_progress(engine, state["progress"])
     moments = _moments_by_name(engine, torch_state) if torch_state is not None else {}
+    row_blocks = bool(state.get("row_blocks"))
+
+    def own(slot: MatrixSlot, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.reshape(slot.host_rows, slot.cols) if row_blocks else slot.own(tensor)
 
     def moment(name: str, key: str) -> torch.Tensor:
         if key in params[name]:
@@ -261,13 +309,16 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
         host = engine.host_buffers[group_index]
         for slot in group.matrices:
             entry = params[slot.name]
-            slot.view2d(host.master).copy_(slot.own(entry["master"]))
-            slot.view2d(host.exp_avg).copy_(slot.own(moment(slot.name, "exp_avg")))
-            exp_avg_sq = moment(slot.name, "exp_avg_sq").reshape(slot.rows, slot.cols)
-            slot.view2d(host.exp_avg_sq).copy_(slot.own(exp_avg_sq))
+            slot.view2d(host.master).copy_(own(slot, entry["master"]))
+            slot.view2d(host.exp_avg).copy_(own(slot, moment(slot.name, "exp_avg")))
+            exp_avg_sq = moment(slot.name, "exp_avg_sq").reshape(-1, slot.cols)
+            slot.view2d(host.exp_avg_sq).copy_(own(slot, exp_avg_sq))
             host.step_shared[slot.index_in_group] = float(entry["host_step"])
             saved = entry["selected"].to(torch.long)
-            chosen = _selection_for_ratio(engine, slot, saved, exp_avg_sq)
+            score = exp_avg_sq.sum(dim=0)
+            if row_blocks and _selection_changes(engine, slot, saved):
+                score = engine.ranks.all_reduce_sum(score, engine.device)  # every rank's rows
+            chosen = _selection_for_ratio(engine, slot, saved, score)
             if slot.name in window_sums and not torch.equal(chosen, saved):
                 window_sums[slot.name] = _without_leaving(window_sums[slot.name], slot, saved, chosen)
             selected.append(chosen)
@@ -282,7 +333,7 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
-    engine.restore_window_sums(window_sums)
+    engine.restore_window_sums(window_sums, row_blocks=row_blocks)
     pending = engine.schedule.pending
     if pending is not None:
         # a matrix now entirely on the device took the computed update with its masters: nothing left to land
@@ -305,23 +356,29 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
     engine.synchronize_device()
 
 
+def _selection_changes(engine: ZenFlowEngine, slot: MatrixSlot, saved: torch.Tensor) -> bool:
+    """Whether a resume with the configured ``topk_ratio`` chooses other columns than the saved ones."""
+    if engine.schedule.last_select_t is None:
+        return False
+    return num_selected_columns(slot.cols, engine.config.topk_ratio) != saved.numel()
+
+
 def _selection_for_ratio(
-    engine: ZenFlowEngine, slot: MatrixSlot, saved: torch.Tensor, exp_avg_sq: torch.Tensor
+    engine: ZenFlowEngine, slot: MatrixSlot, saved: torch.Tensor, score: torch.Tensor
 ) -> torch.Tensor:
     """The columns to select after a resume: the saved ones, unless the run now has another ``topk_ratio``.
 
     Then each matrix gets the configured k at once (device memory follows the new ratio from the first step),
     changing as few columns as possible: a smaller k keeps the saved columns with the largest second moment
-    (``exp_avg_sq`` summed over the column, the running mean of its squared gradient, i.e. of its L2 score); a
-    larger k adds the unselected columns with the largest. Ties go to the lower index. The next refresh chooses
-    from the gradient again. Before the first selection (warm-up) there is nothing to keep.
+    (``score``: ``exp_avg_sq`` summed over the column, the running mean of its squared gradient, i.e. of its L2
+    score); a larger k adds the unselected columns with the largest. Ties go to the lower index. The next refresh
+    chooses from the gradient again. Before the first selection (warm-up) there is nothing to keep.
     """
     if engine.schedule.last_select_t is None:
         return saved
     k = num_selected_columns(slot.cols, engine.config.topk_ratio)
     if saved.numel() == k:
         return saved
-    score = exp_avg_sq.sum(dim=0)
     if k < saved.numel():
         ranked = torch.sort(score[saved], descending=True, stable=True).indices
         chosen = saved[ranked[:k]]
@@ -341,7 +398,7 @@ def _without_leaving(
     gradients of this window applied there already: their sum starts from zero (it may hold them, whole rows are
     accumulated on the device). Columns that enter the device drop theirs: the device update cannot take a sum."""
     leaving = saved[~torch.isin(saved, chosen)]
-    result = window_sum.reshape(slot.rows, slot.cols).clone()
+    result = window_sum.reshape(-1, slot.cols).clone()
     result[:, leaving] = 0.0
     return result.reshape(window_sum.shape)
 

@@ -1,0 +1,164 @@
+"""Sharded checkpoints (``checkpoint_format="sharded"``): a directory that every rank writes its share of.
+
+For models whose consolidated optimizer state does not fit one host. The directory holds:
+
+- ``meta.pt``, written by rank 0: the Lightning checkpoint without the tensors (loops, callbacks, hyperparameters,
+  the optimizer's param groups), the engine's schedule and, per parameter, its step counts and selected columns;
+- the files of ``torch.distributed.checkpoint`` (DCP): the model's weights (written once), and per parameter the
+  fp32 master and moments (and the open window's gradient sum) — each matrix as a row-sharded ``DTensor`` that
+  every rank writes its own row block of, straight from its host state (no gather, no consolidated copy).
+
+Reading reshards: each rank asks DCP for the rows it owns at the new number of ranks (any number, one included), so
+nobody holds more than its share. A directory resumes under ZenFlow only (its optimizer state is not in torch's
+format; resume it under ZenFlow once and save with ``checkpoint_format="full"`` for plain AdamW).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.ranks import Ranks
+
+META_FILE = "meta.pt"
+FORMAT_KEY = "zenflow_sharded"
+"""Key of the meta file's own section: how the tensors were written (shapes, keys, the number of ranks)."""
+TENSOR_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad_acc")
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    """A directory with a ``meta.pt``: a checkpoint written with ``checkpoint_format="sharded"``."""
+    try:
+        candidate = pathlib.Path(path)
+    except TypeError:
+        return False
+    return candidate.is_dir() and (candidate / META_FILE).is_file()
+
+
+_MESHES: dict[int, object] = {}
+
+
+def _mesh(ranks: Ranks) -> object:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ranks.world not in _MESHES:
+        # the host state lives on the CPU: a CPU mesh over every rank (the default group, no new one)
+        _MESHES[ranks.world] = init_device_mesh("cpu", (ranks.world,))
+    return _MESHES[ranks.world]
+
+
+def _row_sharded(block: torch.Tensor, rows: int, cols: int, ranks: Ranks) -> torch.Tensor:
+    """This rank's ``block`` of a ``[rows, cols]`` matrix as DCP sees it: the whole matrix with one rank, else a
+    DTensor sharded by rows (the same blocks as ``Ranks.row_range``: ``torch.chunk`` semantics)."""
+    if not ranks.sharded:
+        return block
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(
+        block, _mesh(ranks), [Shard(0)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1)
+    )
+
+
+def save_sharded(
+    path: str | pathlib.Path,
+    checkpoint: Mapping[str, Any],
+    state: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, int]],
+    ranks: Ranks,
+    write_meta: Callable[[dict, pathlib.Path], None],
+) -> None:
+    """Write ``checkpoint`` (Lightning's, with the model's ``state_dict``) and ``state`` (this rank's row-block engine
+    state, :meth:`ZenFlowEngine.row_block_state_dict`) as a sharded directory. Every rank calls it.
+
+    ``shapes``: ``{name: (rows, cols)}`` of every matrix; ``write_meta(obj, file)`` writes the meta file (rank 0).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    directory = pathlib.Path(path)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    small: dict[str, dict[str, Any]] = {}
+    for name, entry in state["params"].items():
+        small[name] = {key: value for key, value in entry.items() if key not in TENSOR_KEYS}
+        tensors[name] = {}
+        for key in TENSOR_KEYS:
+            if key not in entry:
+                continue
+            value = entry[key]
+            if entry["kind"] == "matrix":
+                rows, cols = shapes[name]
+                value = _row_sharded(value.reshape(-1, cols), rows, cols, ranks)
+            tensors[name][key] = value
+    meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
+    meta["optimizer_states"] = [
+        {"state": {}, "param_groups": optimizer_state.get("param_groups", [])}
+        for optimizer_state in checkpoint.get("optimizer_states", [])
+    ]
+    meta["zenflow"] = {key: value for key, value in state.items() if key != "params"} | {"params": small}
+    meta[FORMAT_KEY] = {
+        "world": ranks.world,
+        "matrices": {name: tuple(shape) for name, shape in shapes.items()},
+        "keys": {name: sorted(entry) for name, entry in tensors.items()},
+        "model": {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()},
+    }
+    if ranks.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_meta(meta, directory / META_FILE)
+    dcp.save({"model": dict(checkpoint["state_dict"]), "zenflow": tensors}, checkpoint_id=directory)
+
+
+def load_sharded(
+    path: str | pathlib.Path,
+    meta: Mapping[str, Any],
+    model_state: Mapping[str, torch.Tensor],
+    param_shapes: Mapping[str, tuple[int, ...]],
+    ranks: Ranks,
+) -> dict[str, Any]:
+    """Read a sharded directory into a Lightning checkpoint dict for this rank: the model's ``state_dict`` whole, the
+    engine state as this rank's row blocks at the current number of ranks (``row_blocks``).
+
+    ``meta``: the directory's meta file, read by the caller; ``model_state``: the module's ``state_dict`` (the shapes
+    to read into); ``param_shapes``: ``{name: shape}`` of its parameters.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    written = meta[FORMAT_KEY]
+    model = {
+        key: torch.empty(tuple(shape), dtype=model_state[key].dtype)
+        for key, shape in written["model"].items()
+        if key in model_state
+    }
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for name, keys in written["keys"].items():
+        tensors[name] = {}
+        for key in keys:
+            if name in written["matrices"]:
+                rows, cols = written["matrices"][name]
+                start, stop = ranks.own_rows(rows)
+                tensors[name][key] = _row_sharded(torch.empty(stop - start, cols), rows, cols, ranks)
+            else:
+                tensors[name][key] = torch.empty(param_shapes.get(name, ()))
+    dcp.load({"model": model, "zenflow": tensors}, checkpoint_id=pathlib.Path(path))
+    checkpoint = {key: value for key, value in meta.items() if key != FORMAT_KEY}
+    checkpoint["state_dict"] = model
+    zenflow = dict(meta["zenflow"])
+    params = {}
+    for name, entry in zenflow["params"].items():
+        loaded = {key: _local(value) for key, value in tensors.get(name, {}).items()}
+        params[name] = {**entry, **loaded}
+    zenflow["params"] = params
+    checkpoint["zenflow"] = zenflow
+    return checkpoint
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def matrix_shapes(engine: ZenFlowEngine) -> dict[str, tuple[int, int]]:
+    """``{name: (rows, cols)}`` of the engine's matrices."""
+    return {slot.name: (slot.rows, slot.cols) for group in engine.layout for slot in group.matrices}
