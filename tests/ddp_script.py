@@ -4,11 +4,11 @@
     python tests/ddp_script.py OUT_DIR '{"devices": 2, "strategy": {...}, ...}'
 
 Every rank writes ``OUT_DIR/rank{global_rank}.pt`` after the fit: its final weights, its engine's host bytes
-and link bytes, its worker's pid. Options (JSON): ``devices``, ``strategy`` (knobs of ``ZenFlowStrategy``, or
-``"adamw"`` for Lightning's plain DDP/single-device AdamW), ``batch_size``, ``max_steps``, ``ckpt_path`` (resume),
-``checkpoint_every`` (Lightning's ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at``
-(the worker of rank ``fault_rank``, default 1, is killed at that step), ``fail_at`` (that rank raises at that
-step).
+and link bytes, its worker's pid. Options (JSON): ``accelerator`` (default ``"cpu"``), ``devices``, ``strategy``
+(knobs of ``ZenFlowStrategy``, or ``"adamw"`` for Lightning's plain DDP/single-device AdamW), ``batch_size``,
+``max_steps``, ``ckpt_path`` (resume), ``checkpoint_every`` (Lightning's ModelCheckpoint writes
+``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at`` (the worker of rank ``fault_rank``, default 1, is killed
+at that step), ``fail_at`` (that rank raises at that step).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
         )
     module = InOrderModule(samples=32, batch_size=options.get("batch_size", 4))
     trainer = lightning.Trainer(
-        accelerator="cpu",
+        accelerator=options.get("accelerator", "cpu"),
         devices=devices,
         strategy=strategy,
         max_steps=options.get("max_steps", 8),

@@ -217,11 +217,12 @@ def test_a_bad_knob_in_the_yaml(tmp_path: Path, capsys: pytest.CaptureFixture) -
         ("--trainer.strategy.select_strategy=often", "trainer.strategy.select_strategy: expected one of 'auto'"),
         ("--trainer.strategy.topk_ratio=lots", "trainer.strategy.topk_ratio: expected float, got lots"),
         ("--trainer.strategy.topk=0.2", "trainer.strategy: Option 'topk' is not accepted"),  # a misspelt knob
-        ("--trainer.devices=2", "devices=2"),  # the strategy's up-front refusal, while the Trainer is built
+        # the strategy's up-front refusal, while the Trainer is built: one device named, two asked for
+        ("--trainer.strategy.device=cpu --trainer.devices=2", "Leave out `device`"),
     ],
 )
 def test_bad_values_on_the_command_line(override: str, expected: str, capsys: pytest.CaptureFixture) -> None:
-    assert expected in _error_of(["--config", str(MAIN_CONFIG), override], capsys)
+    assert expected in _error_of(["--config", str(MAIN_CONFIG), *override.split()], capsys)
 
 
 def test_the_debug_variable_shows_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -558,3 +558,19 @@ def test_lightning_checkpoints_sync_and_resume_exactly_on_cuda(tmp_path: pathlib
     resumed, _ = _checkpointed_fit(MID_WINDOW, tmp_path / "b", ckpt_path=checkpoints[1])
     assert_weights_equal(weights(resumed), weights(uninterrupted))
     assert not torch.equal(weights(synced)["net.0.weight"], weights(TinyModule(samples=20))["net.0.weight"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_equal_one_gpu_with_the_doubled_batch(tmp_path: pathlib.Path) -> None:
+    """Data parallel on NCCL: 2 GPUs with batch 4 follow 1 GPU with batch 8; the replicas are identical."""
+    from test_lightning_ddp import KNOBS, results, run_script
+
+    runs = {}
+    for devices, batch_size in ((2, 4), (1, 8)):
+        out = tmp_path / f"gpus{devices}"
+        done = run_script(out, accelerator="gpu", devices=devices, strategy=KNOBS, batch_size=batch_size)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[devices] = results(out, devices)
+    assert runs[2][0]["strategy"] == "ZenFlowDDPStrategy"
+    assert_weights_equal(runs[2][1]["weights"], runs[2][0]["weights"])
+    assert_weights_close(runs[2][0]["weights"], runs[1][0]["weights"], atol=1e-5, rtol=1e-4)
