@@ -1,4 +1,5 @@
-"""Shared test fixtures: a leak check for spawned processes, and the skip of GPU tests on machines without CUDA."""
+"""Shared test fixtures: a leak check for spawned processes, the environment restored after every test, and the skip
+of GPU tests on machines without CUDA."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ def no_leaked_children():
             pass
     assert not leaked_pids, f"the test left spawned child processes (or zombies) behind: pids {sorted(leaked_pids)}"
     assert not leaked_active, f"the test left multiprocessing children running: {leaked_active}"
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Every test leaves ``os.environ`` as it found it: a data-parallel Trainer sets ``MASTER_PORT``, ``LOCAL_RANK``
+    and friends, and a leaked one makes the next Trainer believe it was launched by a cluster."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
