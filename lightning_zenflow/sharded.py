@@ -39,19 +39,21 @@ def is_sharded_checkpoint(path: Any) -> bool:
     return candidate.is_dir() and (candidate / META_FILE).is_file()
 
 
-_MESHES: dict[int, object] = {}
+_MESHES: dict[tuple[str, int], object] = {}
 
 
-def _mesh(ranks: Ranks) -> object:
+def _mesh(ranks: Ranks, device_type: str) -> object:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if ranks.world not in _MESHES:
-        # the host state lives on the CPU: a CPU mesh over every rank (the default group, no new one)
-        _MESHES[ranks.world] = init_device_mesh("cpu", (ranks.world,))
-    return _MESHES[ranks.world]
+    key = (device_type, ranks.world)
+    if key not in _MESHES:
+        # one dimension over every rank: the default process group, no new one. On GPUs a CUDA mesh whose local
+        # tensors live on the CPU, as FSDP2's CPU offloading makes them (DCP only reads their bytes and placement)
+        _MESHES[key] = init_device_mesh(device_type, (ranks.world,))
+    return _MESHES[key]
 
 
-def _row_sharded(block: torch.Tensor, rows: int, cols: int, ranks: Ranks) -> torch.Tensor:
+def _row_sharded(block: torch.Tensor, rows: int, cols: int, ranks: Ranks, device_type: str) -> torch.Tensor:
     """This rank's ``block`` of a ``[rows, cols]`` matrix as DCP sees it: the whole matrix with one rank, else a
     DTensor sharded by rows (the same blocks as ``Ranks.row_range``: ``torch.chunk`` semantics)."""
     if not ranks.sharded:
@@ -59,7 +61,7 @@ def _row_sharded(block: torch.Tensor, rows: int, cols: int, ranks: Ranks) -> tor
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(
-        block, _mesh(ranks), [Shard(0)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1)
+        block, _mesh(ranks, device_type), [Shard(0)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1)
     )
 
 
@@ -70,11 +72,13 @@ def save_sharded(
     shapes: Mapping[str, tuple[int, int]],
     ranks: Ranks,
     write_meta: Callable[[dict, pathlib.Path], None],
+    device_type: str = "cpu",
 ) -> None:
     """Write ``checkpoint`` (Lightning's, with the model's ``state_dict``) and ``state`` (this rank's row-block engine
     state, :meth:`ZenFlowEngine.row_block_state_dict`) as a sharded directory. Every rank calls it.
 
-    ``shapes``: ``{name: (rows, cols)}`` of every matrix; ``write_meta(obj, file)`` writes the meta file (rank 0).
+    ``shapes``: ``{name: (rows, cols)}`` of every matrix; ``write_meta(obj, file)`` writes the meta file (rank 0);
+    ``device_type``: the training device's type (``"cuda"`` or ``"cpu"``), the type of the DCP mesh.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -90,7 +94,7 @@ def save_sharded(
             value = entry[key]
             if entry["kind"] == "matrix":
                 rows, cols = shapes[name]
-                value = _row_sharded(value.reshape(-1, cols), rows, cols, ranks)
+                value = _row_sharded(value.reshape(-1, cols), rows, cols, ranks, device_type)
             tensors[name][key] = value
     meta = {key: value for key, value in checkpoint.items() if key not in ("state_dict", "optimizer_states")}
     meta["optimizer_states"] = [
@@ -116,6 +120,7 @@ def load_sharded(
     model_state: Mapping[str, torch.Tensor],
     param_shapes: Mapping[str, tuple[int, ...]],
     ranks: Ranks,
+    device_type: str = "cpu",
 ) -> dict[str, Any]:
     """Read a sharded directory into a Lightning checkpoint dict for this rank: the model's ``state_dict`` whole, the
     engine state as this rank's row blocks at the current number of ranks (``row_blocks``).
@@ -138,7 +143,7 @@ def load_sharded(
             if name in written["matrices"]:
                 rows, cols = written["matrices"][name]
                 start, stop = ranks.own_rows(rows)
-                tensors[name][key] = _row_sharded(torch.empty(stop - start, cols), rows, cols, ranks)
+                tensors[name][key] = _row_sharded(torch.empty(stop - start, cols), rows, cols, ranks, device_type)
             else:
                 tensors[name][key] = torch.empty(param_shapes.get(name, ()))
     dcp.load({"model": model, "zenflow": tensors}, checkpoint_id=pathlib.Path(path))

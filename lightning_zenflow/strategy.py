@@ -300,6 +300,7 @@ class ZenFlowStrategyBase:
             shapes,
             self._engine_ranks(),
             write_meta=lambda meta, file: self.checkpoint_io.save_checkpoint(meta, file),
+            device_type=self.root_device.type,
         )
 
     @override
@@ -338,7 +339,9 @@ class ZenFlowStrategyBase:
             raise CheckpointError(f"cannot resume from {path}: {problem}")
         param_shapes = {name: tuple(param.shape) for name, param in module.named_parameters()}
         try:
-            checkpoint = load_sharded(path, meta, module.state_dict(), param_shapes, self._engine_ranks())
+            checkpoint = load_sharded(
+                path, meta, module.state_dict(), param_shapes, self._engine_ranks(), self.root_device.type
+            )
         except Exception as error:
             raise CheckpointError(unreadable_checkpoint(path, error)) from error
         problem = self._checkpoint_mismatch(checkpoint)
