@@ -13,6 +13,7 @@ no worker, no flat buffers), with each candidate change as a knob whose default 
 - ``land_after``: L, the host update of a window lands L steps after the window closes (the paper: L = S with overlap);
 - ``share``: ``"fixed"`` (k = ⌈ρ·cols⌉ per matrix) or ``"adaptive"`` (the same element budget Σ rows·k spread over the
   matrices: the columns with the largest score relative to their matrix's mean column score, taken globally);
+- ``matched_betas``: the host update of a window of n steps uses (β1ⁿ, β2ⁿ) instead of (β1, β2);
 - ``extrapolate``: a landed host update is shown as ``master + (L/S)·Δ``, where Δ is that update (the model shows a
   prediction of where the pending update will put the weights); sync, refresh and flush show the plain master.
 
@@ -66,6 +67,9 @@ class Rule:
     ema_beta: float = 0.9
     share: str = "fixed"
     extrapolate: bool = False
+    matched_betas: bool = False
+    """The host update of an n-step window uses (β1ⁿ, β2ⁿ): its moments' time constants, counted in steps, are
+    AdamW's (with β per window they are S times longer)."""
 
     def __post_init__(self) -> None:
         if self.score not in SCORES or self.refresh not in REFRESHES or self.share not in SHARES:
@@ -252,6 +256,9 @@ class RuleOptimizer:
             if cols.any() and matrix.window_grads > 0:
                 matrix.host_count += 1
                 group = groups[matrix.group]
+                if self.rule.matched_betas:  # moments that average over as many steps as the device's do
+                    beta1, beta2 = group["betas"]
+                    group = {**group, "betas": (beta1**matrix.window_grads, beta2**matrix.window_grads)}
                 mean = matrix.window_sum[:, cols] / matrix.window_grads
                 before = matrix.master[:, cols]
                 master, exp_avg, exp_avg_sq = adam_(
@@ -422,6 +429,12 @@ ROWS = (
     Row("extrapolate+score-window", Rule(extrapolate=True, refresh="window", score="window"), "(e) + (f) + (b)"),
     Row("extrapolate+score-adam", Rule(extrapolate=True, refresh="window", score="adam"), "(e) + (f) + (a)"),
     Row("extrapolate+land-2", Rule(extrapolate=True, land_after=2), "(e) + (c), shown as master + delta/2"),
+    Row(
+        "matched-betas", Rule(matched_betas=True), "host update with (beta1^S, beta2^S): moment time constants in steps"
+    ),
+    Row("extrapolate+matched-betas", Rule(extrapolate=True, matched_betas=True), "(e) + matched betas"),
+    Row("land-1+score-window", Rule(land_after=1, refresh="window", score="window"), "(c) + (f) + (b)"),
+    Row("matched-betas+score-window", Rule(matched_betas=True, refresh="window", score="window"), "+ (f) + (b)"),
     Row("extrapolate+S=8", Rule(extrapolate=True, interval=8), "(e) with a window of 8"),
     Row(
         "extrapolate+adaptive+refresh-window",
@@ -578,6 +591,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
     parser.add_argument("--cache", type=pathlib.Path, default=fq.DEFAULT_CACHE, help="finetune_quality's base cache.")
     parser.add_argument("--quick", action="store_true", help="finetune_quality's --quick model and steps.")
+    parser.add_argument(
+        "--merge", type=pathlib.Path, nargs="*", default=None, help="no runs: one table from these JSON files' runs."
+    )
     args, rest = parser.parse_known_args(argv)
     args.fq = fq.parse_args([*rest, "--cache", str(args.cache), *(["--quick"] if args.quick else [])])
     if args.seeds is None:
@@ -591,12 +607,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def merge(paths: Sequence[pathlib.Path], out: pathlib.Path) -> int:
+    """One table from the runs of several invocations (a run of a row and seed appears once: the first file's)."""
+    payloads = [json.loads(path.read_text()) for path in paths]
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    for payload in payloads:
+        for run in payload["runs"]:
+            runs.setdefault((run["row"], run["seed"]), run)
+    names = [row.name for row in ROWS]
+    ordered = sorted(runs.values(), key=lambda run: (names.index(run["row"]), run["seed"]))
+    rows = [row for row in ROWS if any(run["row"] == row.name for run in ordered)]
+    summary = summarise(ordered)
+    print_table(summary, rows)
+    merged = {
+        "benchmark": "rule_variants",
+        "merged_from": [
+            {
+                "path": path.name,
+                "command": payload["command"],
+                "revision": payload["revision"],
+                "machine": payload["machine"],
+            }
+            for path, payload in zip(paths, payloads)
+        ],  # fmt: skip
+        "settings": payloads[0]["settings"],
+        "rows": {
+            row.name: {
+                "rule": None if row.rule is None else dataclasses.asdict(row.rule),
+                "what": row.what,
+                "host_needs": host_needs(row.rule),
+            }
+            for row in rows
+        },  # fmt: skip
+        "runs": ordered,
+        "summary": summary,
+    }
+    bench_utils.write_json(out, merged)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_rows:
         for row in ROWS:
             print(f"{row.name:38s} {row.what}")
         return 0
+    if args.merge:
+        return merge(args.merge, args.out)
     info = bench_utils.machine_info(torch.device("cpu"))
     print(f"rule_variants: candidate rule changes on finetune_quality's fine-tune\nmachine: "
           f"{bench_utils.describe_machine(info)}")  # fmt: skip

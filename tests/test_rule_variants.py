@@ -110,6 +110,7 @@ VARIANTS = {
     "adaptive": {"share": "adaptive", "refresh": "window"},
     "extrapolate": {"extrapolate": True, "refresh": "window"},
     "land-after": {"land_after": 1, "extrapolate": True},
+    "matched-betas": {"matched_betas": True, "refresh": "window"},
 }
 
 
