@@ -186,6 +186,9 @@ class RuleOptimizer:
         self.pending: _Pending | None = None
         self.selections: list[dict[str, Any]] = []
         self.max_selected_share = 0.0
+        self.last_delta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.delta_cosines: list[tuple[int, float]] = []
+        """With extrapolation: cosine of each matrix's host update with its previous one (same columns)."""
 
     # ------------------------------------------------------------------------------------------------ the rule
     def step(self) -> None:
@@ -269,6 +272,13 @@ class RuleOptimizer:
                 pending.columns[index] = cols
                 if self.rule.extrapolate:
                     pending.delta[index] = master - before
+                    previous = self.last_delta.get(index)
+                    if previous is not None and torch.equal(previous[0], cols):  # same columns: how alike are they
+                        cosine = torch.nn.functional.cosine_similarity(
+                            previous[1].flatten(), master.flatten() - before.flatten(), dim=0
+                        )
+                        self.delta_cosines.append((self.t, float(cosine)))
+                    self.last_delta[index] = (cols.clone(), master - before)
                 if self.rule.score == "adam":
                     pending.size[index] = update_size(exp_avg, exp_avg_sq, group["eps"])
             matrix.window_sum.zero_()
@@ -435,6 +445,7 @@ ROWS = (
     Row("extrapolate+matched-betas", Rule(extrapolate=True, matched_betas=True), "(e) + matched betas"),
     Row("land-1+score-window", Rule(land_after=1, refresh="window", score="window"), "(c) + (f) + (b)"),
     Row("matched-betas+score-window", Rule(matched_betas=True, refresh="window", score="window"), "+ (f) + (b)"),
+    Row("refresh-window+S=8", Rule(refresh="window", interval=8), "(f) with a window of 8"),
     Row("extrapolate+S=8", Rule(extrapolate=True, interval=8), "(e) with a window of 8"),
     Row(
         "extrapolate+adaptive+refresh-window",
@@ -493,6 +504,7 @@ def finetune(row: Row, seed: int, setting: fq.Setting) -> dict[str, Any]:
         "seconds": time.perf_counter() - started,
         "selections": [] if rule_optimizer is None else rule_optimizer.selections,
         "device_cost": None if rule_optimizer is None else rule_optimizer.device_cost(),
+        "update_cosines": None if rule_optimizer is None else rule_optimizer.delta_cosines,
     }
 
 
