@@ -1,5 +1,6 @@
-"""``benchmarks/rule_variants.py``: its paper-rule optimizer equals ``tests/reference.py``, and every candidate rule
-change keeps the degenerate cases that must equal ``torch.optim.AdamW`` (rho 1; rho 0, S 1, overlap off). CPU, ~2 s."""
+"""``benchmarks/rule_optimizer.py`` (the optimizer of ``rule_variants.py``): its paper rule equals
+``tests/reference.py``, and every candidate rule change keeps the degenerate cases that must equal
+``torch.optim.AdamW`` (rho 1; rho 0, S 1, overlap off). CPU, a few seconds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from reference import ReferenceZenFlow
 from lightning_zenflow import ZenFlowConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from rule_variants import Rule, RuleOptimizer  # noqa: E402
+from rule_optimizer import Rule, RuleOptimizer  # noqa: E402
 
 SHAPES = {"embed": (12, 8), "fc": (10, 12), "conv": (6, 3, 2, 2), "fc_bias": (10,), "norm": (8,)}
 STEPS = 14
