@@ -229,6 +229,21 @@ def test_finetune_quality_quick(tmp_path: pathlib.Path) -> None:
     assert all(0.0 <= entry["jaccard_prev"] <= 1.0 for entry in steps[1:])
 
 
+def test_rule_variants_quick(tmp_path: pathlib.Path) -> None:
+    stdout, result, _ = run_quick("rule_variants", tmp_path, "--cache", str(tmp_path / "cache"))
+    for header in ("Final held-out loss", "vs AdamW (paired)", "What each variant needs from the host"):
+        assert header in stdout
+    check_machine(result["machine"])
+    summary = result["summary"]
+    assert {"adamw", "paper"} <= set(summary)
+    for name, entry in summary.items():
+        assert all(positive(loss) for loss in entry["final_losses"]), name
+        if name != "adamw":
+            assert entry["device_cost"]["selected_share"] <= 0.1 + 0.05, name  # k rounds up on tiny matrices
+    for run in result["runs"]:
+        assert len(run["train_loss"]) == result["settings"]["finetune_steps"], run["row"]
+
+
 def test_gpu_stall_cpu_smoke(tmp_path: pathlib.Path) -> None:
     """``gpu_stall.py --device cpu --quick``, both accumulation modes: one JSON line per row, traffic per the cost
     model (about 10 s; the GPU sizes run in scripts/gpu_checks.sh)."""
