@@ -45,6 +45,11 @@ class ZenFlowConfig:
     """Run the host update asynchronously, overlapped with the next window of device steps (its result lands
     one window later). ``False`` applies it at the window end it was computed for (the device waits)."""
 
+    land_after: int | None = None
+    """With ``overlap_step``: the host update lands this many steps after its window closes (1 <= L <=
+    ``update_interval``), not at the next window end (``None``, the paper's rule: L = S). A smaller L shortens the
+    staleness and costs quality less, but the device waits whenever one host update takes longer than L steps."""
+
     accumulate_on: Literal["auto", "device", "host"] = "auto"
     """Where the window's unselected gradient columns are summed. ``"device"``: an fp32 accumulator on the
     device, copied down once per window (least link traffic, no model-sized host work per step). ``"host"``:
@@ -129,6 +134,19 @@ class ZenFlowConfig:
             raise ValueError(f"full_warm_up_rounds={self.full_warm_up_rounds} must be >= 0 (0 turns warm-up off).")
         if not isinstance(self.overlap_step, bool):
             raise TypeError(f"overlap_step must be True or False, got {self.overlap_step!r}.")
+        if self.land_after is not None:
+            if isinstance(self.land_after, bool) or not isinstance(self.land_after, int) or self.land_after < 1:
+                raise ValueError(f"land_after={self.land_after!r} must be None (the next window end) or an int >= 1.")
+            if not self.overlap_step:
+                raise ValueError(
+                    f"land_after={self.land_after} needs overlap_step=True (without overlap the host update lands at "
+                    "its own window end); remove land_after or turn overlap on."
+                )
+            if isinstance(self.update_interval, int) and self.land_after > self.update_interval:
+                raise ValueError(
+                    f"land_after={self.land_after} is longer than update_interval={self.update_interval}: an update "
+                    "lands at the latest at the next window end; use land_after <= update_interval (or None)."
+                )
         if self.accumulate_on not in ("auto", "device", "host"):
             raise ValueError(
                 f"accumulate_on={self.accumulate_on!r} is not one of 'auto', 'device', 'host'. Use 'device' (fastest, "

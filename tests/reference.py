@@ -279,6 +279,8 @@ class ReferenceZenFlow:
         self.last_hparams: list[RefHyperParams] | None = None
         self.pending: dict[str, torch.Tensor] | None = None
         """Overlap on: the host masters computed at the last window end, not yet shown by the model."""
+        self.land_at: int | None = None
+        """``land_after``: the step at whose end ``pending`` is shown (None: the next window end)."""
         self.selection_changes = 0
 
     # ------------------------------------------------------------------------------------------- the rule
@@ -311,6 +313,8 @@ class ReferenceZenFlow:
                 matrix.device_update(grad2d, hparams[matrix.group])
             matrix.accumulate(grad2d)
         self.steps_in_window += 1
+        if self.pending is not None and self.land_at == self.t:
+            self.sync()  # land_after: shown L steps after its window closed
         window_end = self.steps_in_window == self.interval
         if window_end:
             self._close_window(hparams, apply_now=not self.config.overlap_step)
@@ -329,6 +333,8 @@ class ReferenceZenFlow:
                 computed[matrix.name] = matrix.host_master.clone()
         self.steps_in_window = 0
         self.pending = computed
+        land_after = self.config.land_after
+        self.land_at = self.t + land_after if land_after is not None and land_after < self.interval else None
         if apply_now:
             self.sync()
 

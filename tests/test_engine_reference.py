@@ -81,12 +81,14 @@ class Case:
     refresh: str  # "S", "2S+1" or "epoch"
     importance: str
     optimizer: str  # "adam-mixed" or "adamw"
+    land_after: int | None = None
 
     @property
     def id(self) -> str:
         return (
             f"rho{self.ratio}-S{self.interval}-W{self.warm_up}-{'overlap' if self.overlap else 'sync'}-"
             f"refresh{self.refresh}-{self.importance}-{self.optimizer}"
+            + (f"-L{self.land_after}" if self.land_after is not None else "")
         )
 
     def config(self) -> ZenFlowConfig:
@@ -103,6 +105,7 @@ class Case:
             full_warm_up_rounds=self.warm_up,
             overlap_step=self.overlap,
             importance=self.importance,
+            land_after=self.land_after,
         )
 
     @property
@@ -285,6 +288,45 @@ def test_engine_equals_reference(case: Case) -> None:
         overlaps = [stats.selection_overlap for stats, _ in history if stats.selection_overlap is not None]
         assert min(overlaps) < 1.0
         assert ref.selection_changes >= 1
+
+
+LAND_AFTER_CASES = [
+    Case(0.5, 3, 0, True, "S", "l2", "adamw", land_after=1),
+    Case(0.1, 3, 2, True, "2S+1", "l1", "adam-mixed", land_after=2),
+    Case(0.0, 3, 0, True, "epoch", "l2", "adamw", land_after=1),
+    Case(1.0, 3, 0, True, "S", "l2", "adamw", land_after=2),
+]
+
+
+@pytest.mark.parametrize("case", LAND_AFTER_CASES, ids=[case.id for case in LAND_AFTER_CASES])
+def test_land_after_equals_reference(case: Case) -> None:
+    """``land_after``: the host update lands L steps after its window closes, in the engine as in the reference
+    (weights after every step, state after every flush, host work in flight after every step)."""
+    history, _ = _run_against_reference(case)
+    assert sum(stats.window_end for stats, _ in history) >= 3
+
+
+def test_land_after_at_the_window_length_is_the_paper_rule() -> None:
+    """L = S lands at the next window end: the same numbers as the default."""
+    paper = Case(0.5, 3, 0, True, "S", "l2", "adamw")
+    same = Case(0.5, 3, 0, True, "S", "l2", "adamw", land_after=3)
+    params_a, opt_a = _build("adamw", 0)
+    params_b, opt_b = _build("adamw", 0)
+    names_a = {param: name for name, param in params_a.items()}
+    names_b = {param: name for name, param in params_b.items()}
+    gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    with (
+        ZenFlowEngine(opt_a, paper.config(), param_names=names_a) as engine_a,
+        ZenFlowEngine(opt_b, same.config(), param_names=names_b) as engine_b,
+    ):
+        for t in range(1, 12):
+            for params, opt, gen, engine in ((params_a, opt_a, gen_a, engine_a), (params_b, opt_b, gen_b, engine_b)):
+                _set_hparams(opt, t)
+                for name, grad in _gradients(t, gen, params).items():
+                    params[name].grad = grad
+                engine.step()
+            for name in params_a:
+                assert torch.equal(params_a[name], params_b[name]), (name, t)
 
 
 def test_epoch_selection_without_steps_per_epoch_never_refreshes() -> None:

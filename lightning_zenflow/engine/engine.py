@@ -351,6 +351,9 @@ class ZenFlowEngine:
         device_s = updater.finished_update_seconds() if self.lanes.is_cuda else time.perf_counter() - device_started
         self.schedule.add_gradients([[slot.param.grad is not None for slot in group.matrices] for group in self.layout])
         self._poll_pending()
+        pending = self.schedule.pending
+        if pending is not None and pending.land_at == plan.t:
+            self._timed_wait(self._land_pending)  # land_after: L steps after its window closed
         window_end = self.schedule.window_ends(plan)
         if window_end:
             self._close_window(hparams, overlap=self.config.overlap_step and not plan.warm_up)
@@ -489,7 +492,11 @@ class ZenFlowEngine:
             # after this window's adds on the helper thread (host mode), once its copy down has landed (device
             # mode) and the last upload has read the host master (the worker rewrites it)
             self._launch_future = self.helper.submit(self._launch, slot, jobs, ready)
-            self.schedule.pending = PendingUpdate(slot=slot, active=active)
+            land_after = self.config.land_after
+            land_at = None
+            if overlap and land_after is not None and land_after < self.schedule.interval:
+                land_at = self.schedule.t + land_after
+            self.schedule.pending = PendingUpdate(slot=slot, active=active, land_at=land_at)
             if not overlap:
                 self._timed_wait(self._land_pending)
         self._maybe_decide_interval()

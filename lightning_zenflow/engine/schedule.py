@@ -30,6 +30,8 @@ class PendingUpdate:
     """Per param group, the matrices it updates."""
     computed: bool = False
     """The worker has finished it (the weights wait on the host, or already in the device's upload buffer)."""
+    land_at: int | None = None
+    """The step at whose end it lands (``land_after``); None: at the next window end."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class Schedule:
                 slot=int(pending["slot"]),
                 active=[list(map(int, a)) for a in pending["active"]],
                 computed=bool(pending["computed"]),
+                land_at=None if pending.get("land_at") is None else int(pending["land_at"]),
             )
             if pending is not None
             else None
