@@ -68,7 +68,9 @@ def test_stdlib_code_and_docs_are_different_text() -> None:
 
 def test_cache_is_reused(text_file: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config, recipe = GPTConfig(**TINY_MODEL), _recipe(text_file)
+    threads = torch.get_num_threads()
     first = load_or_pretrain_base(config, recipe, tmp_path / "cache")
+    assert torch.get_num_threads() == threads, "the pre-training's single thread is given back"
     cached = list((tmp_path / "cache").iterdir())
     assert [path.name for path in cached] == [cache_path(tmp_path / "cache", base_settings(config, recipe, CPU)).name]
     monkeypatch.setattr(base_module, "pretrain_base", _no_pretraining)
