@@ -131,6 +131,12 @@ def test_the_module_pretrains_at_setup_then_fine_tunes_from_the_cache(
     assert not torch.equal(module.model.lm_head.weight, fresh)
 
 
+def test_a_checkpoint_loaded_into_the_module_is_not_replaced_by_the_base(text_file: pathlib.Path) -> None:
+    module = CausalLMModule(**TINY_MODEL, pretrain_steps=3, pretrain_data_path=str(text_file))
+    module.on_load_checkpoint({"state_dict": module.state_dict()})  # what load_from_checkpoint and ckpt_path call
+    module.setup("validate")  # would need a Trainer (for the cache folder) if it still meant to load a base
+
+
 def module_recipe(text_file: pathlib.Path) -> PretrainRecipe:
     return PretrainRecipe(data_path=str(text_file), max_bytes=20_000, steps=3, batch_size=2)
 

@@ -303,7 +303,8 @@ class CausalLMModule(LightningModule):
                 start from the same weights whatever else they seed; ``None`` uses the global RNG.
             base_checkpoint: fine-tune from these weights: a Lightning ``.ckpt`` of a ``CausalLMModule`` run, or a
                 file saved with ``torch.save(gpt.state_dict(), path)``; the model's shape must match. The
-                ``pretrain_*`` arguments are then ignored.
+                ``pretrain_*`` arguments are then ignored. It is saved among the hyperparameters, so
+                ``load_from_checkpoint`` reads it again: pass ``base_checkpoint=None`` there if the file has moved.
             pretrain_steps: without ``base_checkpoint``: pre-train a base for this many AdamW steps first (0: train
                 from a fresh initialisation). The base is cached and reused by every run with the same model shape
                 and ``pretrain_*`` values.
@@ -371,6 +372,11 @@ class CausalLMModule(LightningModule):
         )
         self.model.load_state_dict(state)
         self._pretrain_recipe = None  # once: fit then validate in one process keeps the fine-tuned weights
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The checkpoint's weights win: no base is loaded over them at ``setup`` (``load_from_checkpoint`` then
+        ``trainer.validate``, or a resumed fit)."""
+        self._pretrain_recipe = None
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
