@@ -40,7 +40,8 @@ class ZenFlowTelemetry(Callback):
     """Logs ZenFlow's per-step telemetry and closes the run with a short summary.
 
     Added automatically by ``ZenFlowStrategy(log_telemetry=True)`` (the default); add it yourself to
-    change ``log_every_n_steps`` or ``print_summary``.
+    change ``log_every_n_steps``, ``print_summary``, the loss it reports or the reference it compares with. Under
+    another strategy it still prints the summary (steps, time, loss), so a baseline run reports like a ZenFlow run.
 
     The ``zenflow/*`` metrics go straight to ``trainer.loggers`` at the step Lightning logs the batch's own
     metrics at (as ``LearningRateMonitor`` does): through ``LightningModule.log`` a metric logged only at some
@@ -50,17 +51,32 @@ class ZenFlowTelemetry(Callback):
         log_every_n_steps: log the per-step metrics every this many optimizer steps (refresh diagnostics
             always); ``None`` follows ``Trainer(log_every_n_steps=...)``.
         print_summary: print final loss, time and stall share when training ends.
-        loss_key: the logged metric shown as the final loss in the summary.
+        loss_key: the logged metric shown as the final loss in the summary (``"val_loss"``: the last validation's).
+        reference_loss: a value of ``loss_key`` to compare with, e.g. what plain AdamW reaches on the same job; the
+            summary shows it and the relative gap next to the final loss.
+        reference_label: how the summary names ``reference_loss``.
+        reference_note: a few words after the reference and the gap, e.g. where the reference comes from.
     """
 
     def __init__(
-        self, log_every_n_steps: int | None = None, print_summary: bool = True, loss_key: str = "train_loss"
+        self,
+        log_every_n_steps: int | None = None,
+        print_summary: bool = True,
+        loss_key: str = "train_loss",
+        reference_loss: float | None = None,
+        reference_label: str = "reference",
+        reference_note: str | None = None,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1 (or None: the Trainer's).")
+        if reference_loss is not None and not reference_loss > 0:
+            raise ValueError(f"reference_loss={reference_loss} must be a positive loss (or None: no reference).")
         self.log_every_n_steps = log_every_n_steps
         self.print_summary = print_summary
         self.loss_key = loss_key
+        self.reference_loss = reference_loss
+        self.reference_label = reference_label
+        self.reference_note = reference_note
         self.summary = RunSummary()
         self._started: float | None = None
         self._last_stats: StepStats | None = None
@@ -74,7 +90,10 @@ class ZenFlowTelemetry(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         engine = getattr(trainer.strategy, "engine", None)
-        stats = engine.last_stats if engine is not None else None
+        if engine is None:  # another strategy: count its optimizer steps for the summary, nothing to log
+            self.summary.steps = trainer.global_step
+            return
+        stats = engine.last_stats
         if stats is None or stats is self._last_stats:
             return  # an accumulating micro-batch (or a step skipped for inf gradients): no engine step happened
         self._last_stats = stats
@@ -120,9 +139,22 @@ class ZenFlowTelemetry(Callback):
         loss = trainer.callback_metrics.get(self.loss_key)
         self.summary.final_loss = float(loss) if loss is not None else None
         if self.print_summary:
-            loss_text = f"{self.summary.final_loss:.4f}" if self.summary.final_loss is not None else "n/a"
-            rank_zero_info(
-                f"ZenFlow run summary: {self.summary.steps} optimizer steps in {self.summary.wall_s:.1f} s, "
-                f"final {self.loss_key} {loss_text}, stall share {100 * self.summary.stall_share:.1f} % "
-                f"({self.summary.stall_s:.2f} s waiting on the engine)"
-            )
+            rank_zero_info(self.summary_line(zenflow=getattr(trainer.strategy, "engine", None) is not None))
+
+    def summary_line(self, zenflow: bool = True) -> str:
+        """The closing line: optimizer steps, time, the final loss (and its reference), and the stall share."""
+        summary = self.summary
+        loss_text = f"{summary.final_loss:.4f}" if summary.final_loss is not None else "n/a"
+        if self.reference_loss is not None:
+            gap = ""
+            if summary.final_loss is not None:
+                gap = f", {100 * (summary.final_loss / self.reference_loss - 1):+.1f} %"
+            note = f", {self.reference_note}" if self.reference_note else ""
+            loss_text += f" ({self.reference_label}: {self.reference_loss:.4f}{gap}{note})"
+        line = f"{summary.steps} optimizer steps in {summary.wall_s:.1f} s, final {self.loss_key} {loss_text}"
+        if not zenflow:
+            return f"Run summary: {line}"
+        return (
+            f"ZenFlow run summary: {line}, stall share {100 * summary.stall_share:.1f} % "
+            f"({summary.stall_s:.2f} s waiting on the engine)"
+        )

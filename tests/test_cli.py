@@ -40,7 +40,11 @@ SHORT_RUN = [
     "--data.init_args.block_size=32",
     "--data.init_args.batch_size=4",
     "--data.init_args.max_bytes=200000",
+    "--model.init_args.pretrain_steps=4",
+    "--model.init_args.pretrain_batch_size=2",
+    "--model.init_args.pretrain_max_bytes=100000",
 ]
+"""The README's commands, shortened: a tiny model, a tiny base (pre-trained in the run's folder), a few steps."""
 
 
 def _run(args: list[str], tmp_path: Path, timeout: int = 240, expect: int = 0) -> subprocess.CompletedProcess:
@@ -96,13 +100,45 @@ def _shown(default: object) -> str:
 
 
 def test_main_job_for_a_few_steps(tmp_path: Path) -> None:
-    """The README's main command, shortened: it trains, prints its summary and nothing after it, and exits 0."""
+    """The README's main command, shortened: it pre-trains a base and caches it, fine-tunes, prints its summary with
+    the AdamW reference and nothing after it, and exits 0."""
     command = _readme_command("lightning-zenflow fit --config configs/main.yaml")
     result = _run([*command, *SHORT_RUN, f"--trainer.default_root_dir={tmp_path}"], tmp_path)
     last_line = result.stderr.strip().splitlines()[-1]  # Lightning's log, and Python's sys.exit(<object>), use stderr
     assert last_line.startswith("ZenFlow run summary: 6 optimizer steps"), result.stderr[-2000:]
+    reference = f"(AdamW reference for this job: {_readme_reference():.4f}, "
+    assert re.search(r"final val_loss \d\.\d{4} " + re.escape(reference) + r"[+-]\d+\.\d %, see README\)", last_line)
     assert "stall share" in last_line
     assert "LightningCLI object" not in result.stdout + result.stderr
+    assert "base: pre-training" in result.stderr
+    # the config's cache folder, relative to the working directory; tests/test_demo_base.py covers its reuse
+    assert len(list((tmp_path / "runs" / "base_cache").glob("base-*.pt"))) == 1
+
+
+def _readme_reference() -> float:
+    """The AdamW reference loss the README quotes for the main job."""
+    match = re.search(r"AdamW reference for this job: (\d\.\d{4})", README)
+    assert match, "the README no longer quotes the main job's AdamW reference"
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize(
+    "config", ["main.yaml", "baseline_adamw.yaml", "baseline_sync_offload.yaml", "zenflow_knobs.yaml"]
+)
+def test_the_fine_tune_configs_quote_the_readme_reference(config: str) -> None:
+    """The reference is measured with baseline_adamw.yaml; every config of that job quotes the same number."""
+    trainer = yaml.safe_load((ROOT / "configs" / config).read_text())["trainer"]
+    (telemetry,) = [c for c in trainer["callbacks"] if c["class_path"] == "lightning_zenflow.ZenFlowTelemetry"]
+    assert telemetry["init_args"]["reference_loss"] == _readme_reference()
+    assert telemetry["init_args"]["loss_key"] == "val_loss"
+
+
+def test_a_missing_base_checkpoint_is_one_line_and_exit_status_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "base.ckpt"
+    error = _error_of(["--config", str(MAIN_CONFIG), f"--model.base_checkpoint={missing}"], capsys)
+    assert error.startswith(f"error: model.base_checkpoint='{missing}' does not exist. Pass model.base_checkpoint")
+    error = _error_of(["--config", str(MAIN_CONFIG), f"--model.pretrain_data_path={missing}"], capsys)
+    assert f"pretrain_data_path='{missing}' does not exist" in error
 
 
 def test_a_knob_override_on_the_short_form(tmp_path: Path) -> None:

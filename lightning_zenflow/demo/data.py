@@ -1,12 +1,14 @@
 """Byte-level text data for the demo language model: any text file or folder, or the Python standard library.
 
 Tokens are raw bytes (vocabulary 256), so there is no tokenizer to download and every machine that runs Python can
-train on the same corpus offline: by default the standard library's own ``.py`` sources.
+train on the same corpus offline: by default the standard library's own ``.py`` sources, or one of the two corpora
+of :mod:`lightning_zenflow.demo.stdlib` (its code without docstrings, its documentation prose).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 import sysconfig
@@ -16,6 +18,8 @@ from typing import Literal
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lightning_zenflow.demo.stdlib import STDLIB_TEXTS, StdlibText, stdlib_documents
 
 VOCAB_SIZE = 256
 """Byte-level tokens: every byte value is a token."""
@@ -68,16 +72,39 @@ def _is_hidden(path: pathlib.Path, root: pathlib.Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
-def load_corpus_bytes(data_path: str | None, max_bytes: int) -> torch.Tensor:
+def _corpus_files(data_path: str | None) -> list[pathlib.Path]:
+    """The files a corpus is read from, in reading order (see :func:`load_corpus_bytes`)."""
+    if data_path is None:
+        return default_corpus_files()
+    root = pathlib.Path(data_path).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(
+            f"data_path={data_path!r} does not exist. Pass data_path=... a text file or a folder of text files, "
+            "or leave it unset to train on the Python standard library's sources."
+        )
+    if root.is_file():
+        if _read_text_bytes(root) is None:
+            raise ValueError(
+                f"data_path={data_path!r} is not a readable UTF-8 text file (it is binary, in another encoding, or "
+                "unreadable). Pass data_path=... a UTF-8 text file or a folder of them."
+            )
+        return [root]
+    return sorted(path for path in root.rglob("*") if path.is_file() and not _is_hidden(path, root))
+
+
+def load_corpus_bytes(data_path: str | None, max_bytes: int, stdlib_text: StdlibText = "source") -> torch.Tensor:
     """Read a corpus as one flat ``uint8`` tensor of byte tokens (vocabulary 256), at most ``max_bytes`` long.
 
     Args:
         data_path: a text file; a folder, whose UTF-8 text files are all read (recursively, in sorted order;
             binary and non-UTF-8 files and hidden files and folders are skipped); or ``None`` for the Python
-            standard library's sources (see :func:`default_corpus_files`).
-        max_bytes: stop reading once the corpus holds this many bytes; the last file read is cut.
+            standard library (see :func:`default_corpus_files`).
+        max_bytes: stop reading once the corpus holds this many bytes; the last document read is cut.
+        stdlib_text: with ``data_path=None``, which text of the standard library: ``"source"`` (the ``.py`` files
+            whole), ``"code"`` (without docstrings) or ``"docs"`` (docstrings and the language reference); see
+            :mod:`lightning_zenflow.demo.stdlib`. Ignored when ``data_path`` is given.
 
-    Files are joined with :data:`FILE_SEPARATOR` between them.
+    Documents (files) are joined with :data:`FILE_SEPARATOR` between them.
 
     Raises:
         ValueError: ``max_bytes`` is not positive, the file is not UTF-8 text, or the folder holds no UTF-8 text.
@@ -85,32 +112,20 @@ def load_corpus_bytes(data_path: str | None, max_bytes: int) -> torch.Tensor:
     """
     if max_bytes <= 0:
         raise ValueError(f"max_bytes={max_bytes} must be positive; it caps how many bytes of text are read.")
+    if stdlib_text not in STDLIB_TEXTS:
+        raise ValueError(f"stdlib_text={stdlib_text!r} must be one of {', '.join(map(repr, STDLIB_TEXTS))}.")
+    files = _corpus_files(data_path)
     if data_path is None:
-        files = default_corpus_files()
+        documents = stdlib_documents(files, stdlib_text)
     else:
-        root = pathlib.Path(data_path).expanduser()
-        if not root.exists():
-            raise FileNotFoundError(
-                f"data_path={data_path!r} does not exist. Pass data_path=... a text file or a folder of text files, "
-                "or leave it unset to train on the Python standard library's sources."
-            )
-        if root.is_file():
-            if _read_text_bytes(root) is None:
-                raise ValueError(
-                    f"data_path={data_path!r} is not a readable UTF-8 text file (it is binary, in another encoding, or "
-                    "unreadable). Pass data_path=... a UTF-8 text file or a folder of them."
-                )
-            files = [root]
-        else:
-            files = sorted(path for path in root.rglob("*") if path.is_file() and not _is_hidden(path, root))
+        documents = (_read_text_bytes(path) for path in files)
 
     chunks: list[bytes] = []
     num_bytes = 0
     num_skipped = 0
-    for path in files:
+    for text_bytes in documents:
         if num_bytes >= max_bytes:
             break
-        text_bytes = _read_text_bytes(path)
         if text_bytes is None or not text_bytes:
             num_skipped += 1
             continue
@@ -127,6 +142,23 @@ def load_corpus_bytes(data_path: str | None, max_bytes: int) -> torch.Tensor:
     # bytearray, not bytes: torch.frombuffer wants a writable buffer and the tensor then owns a private copy.
     corpus = bytearray(b"".join(chunks)[:max_bytes])
     return torch.frombuffer(corpus, dtype=torch.uint8)
+
+
+def corpus_fingerprint(data_path: str | None, max_bytes: int, stdlib_text: StdlibText = "source") -> str:
+    """A digest that changes when the corpus :func:`load_corpus_bytes` would read changes, without reading it.
+
+    It covers the arguments and every file's path, size and modification time (``stat`` only), so it costs
+    milliseconds where reading the standard library's code without its docstrings costs seconds. An edit that keeps a
+    file's size and modification time is not seen.
+    """
+    digest = hashlib.sha256(json.dumps([data_path, max_bytes, stdlib_text if data_path is None else None]).encode())
+    for path in _corpus_files(data_path):
+        try:
+            stat = path.stat()
+        except OSError:  # skipped by the reader too
+            continue
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 class ByteBlockDataset(Dataset):
@@ -210,12 +242,14 @@ class ByteCorpusDataModule(LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         samples_per_epoch: int | None = None,
+        stdlib_text: StdlibText = "source",
     ) -> None:
         """Configure the corpus; nothing is read until :meth:`setup`.
 
         Args:
             data_path: a UTF-8 text file, or a folder read recursively (binary files skipped). ``None`` trains on
-                the Python standard library's ``.py`` sources, which every Python install carries (no download).
+                the Python standard library (``stdlib_text`` says which of its text), which every Python install
+                carries (no download).
             block_size: bytes per sample (the model's context length).
             batch_size: samples per batch.
             max_bytes: read at most this many bytes of text (the whole corpus, before it is halved or split).
@@ -226,6 +260,9 @@ class ByteCorpusDataModule(LightningDataModule):
             seed: seed of the training order; each epoch's order is fixed by ``(seed, epoch)``.
             samples_per_epoch: ``None``: an epoch visits every non-overlapping training block once, shuffled. An int:
                 an epoch is that many blocks at random byte offsets (drawn with replacement).
+            stdlib_text: with ``data_path=None``: ``"source"``, the ``.py`` files whole; ``"code"``, the same without
+                their docstrings; ``"docs"``, the docstrings and the language reference text (the main job fine-tunes
+                on it). Ignored when ``data_path`` is given.
         """
         super().__init__()
         if block_size < 1:
@@ -241,6 +278,8 @@ class ByteCorpusDataModule(LightningDataModule):
             )
         if part not in ("all", "first_half", "second_half"):
             raise ValueError(f"part={part!r} must be one of 'all', 'first_half', 'second_half'.")
+        if stdlib_text not in STDLIB_TEXTS:
+            raise ValueError(f"stdlib_text={stdlib_text!r} must be one of {', '.join(map(repr, STDLIB_TEXTS))}.")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be 0 or more.")
         if samples_per_epoch is not None and samples_per_epoch < batch_size:
@@ -258,6 +297,7 @@ class ByteCorpusDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.samples_per_epoch = samples_per_epoch
+        self.stdlib_text = stdlib_text
         self.train_tokens: torch.Tensor | None = None
         self.val_tokens: torch.Tensor | None = None
 
@@ -265,7 +305,7 @@ class ByteCorpusDataModule(LightningDataModule):
         """Load the corpus once (later stages reuse it), pick the part and split it into train and validation."""
         if self.train_tokens is not None:
             return
-        corpus = load_corpus_bytes(self.data_path, self.max_bytes)
+        corpus = load_corpus_bytes(self.data_path, self.max_bytes, self.stdlib_text)
         half = corpus.numel() // 2
         part_tokens = {"all": corpus, "first_half": corpus[:half], "second_half": corpus[half:]}[self.part]
         num_train = int(part_tokens.numel() * (1.0 - self.val_fraction))

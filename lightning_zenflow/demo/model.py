@@ -9,6 +9,7 @@ splits each matrix by column, and a tensor shared by two modules would be update
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -268,8 +269,19 @@ class CausalLMModule(LightningModule):
         lr_schedule: Literal["constant", "cosine"] = "constant",
         max_steps_for_schedule: int | None = None,
         seed_model: int | None = None,
+        base_checkpoint: str | None = None,
+        pretrain_steps: int = 0,
+        pretrain_data_path: str | None = None,
+        pretrain_max_bytes: int = 4_000_000,
+        pretrain_batch_size: int = 16,
+        pretrain_learning_rate: float = 2e-3,
+        pretrain_cache_dir: str | None = None,
     ) -> None:
-        """Build the model (see :class:`GPTConfig` for its shape arguments).
+        """Build the model (see :class:`GPTConfig` for its shape arguments), and say what it starts from.
+
+        It starts from ``base_checkpoint`` if given (loaded and checked here); else, with ``pretrain_steps > 0``, from
+        a base pre-trained with plain AdamW when training starts (:mod:`lightning_zenflow.demo.base`: made once, then
+        loaded from ``pretrain_cache_dir``); else from a fresh initialisation.
 
         Args:
             vocab_size: token ids (256 for the byte-level data module).
@@ -289,11 +301,28 @@ class CausalLMModule(LightningModule):
                 estimate (``max_steps``, or ``max_epochs`` times the batches per epoch).
             seed_model: seed of the weight initialisation alone (the global RNG is left as it was), so two runs
                 start from the same weights whatever else they seed; ``None`` uses the global RNG.
+            base_checkpoint: fine-tune from these weights: a Lightning ``.ckpt`` of a ``CausalLMModule`` run, or a
+                file saved with ``torch.save(gpt.state_dict(), path)``; the model's shape must match. The
+                ``pretrain_*`` arguments are then ignored. It is saved among the hyperparameters, so
+                ``load_from_checkpoint`` reads it again: pass ``base_checkpoint=None`` there if the file has moved.
+            pretrain_steps: without ``base_checkpoint``: pre-train a base for this many AdamW steps first (0: train
+                from a fresh initialisation). The base is cached and reused by every run with the same model shape
+                and ``pretrain_*`` values.
+            pretrain_data_path: text file or folder to pre-train on; ``None``: the standard library's code with its
+                docstrings removed (a different distribution from ``stdlib_text: docs``, which the main job
+                fine-tunes on).
+            pretrain_max_bytes: bytes of text read for pre-training.
+            pretrain_batch_size: blocks of ``block_size`` bytes per pre-training step.
+            pretrain_learning_rate: peak pre-training learning rate (warm-up, then cosine to 10 %).
+            pretrain_cache_dir: folder of cached bases; ``None``: ``base_cache`` under the Trainer's
+                ``default_root_dir``.
         """
         super().__init__()
         _validate_optimizer_args(learning_rate, weight_decay, betas, eps, warmup_steps)
         if max_steps_for_schedule is not None and max_steps_for_schedule < 1:
             raise ValueError(f"max_steps_for_schedule={max_steps_for_schedule} must be at least 1 (or None).")
+        if pretrain_steps < 0:
+            raise ValueError(f"pretrain_steps={pretrain_steps} must be 0 (no pre-training) or more.")
         self.save_hyperparameters()
         config = GPTConfig(
             vocab_size=vocab_size,
@@ -310,6 +339,44 @@ class CausalLMModule(LightningModule):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed_model)
                 self.model = GPT(config)
+        # a function-level import: base.py builds GPTs, so it imports this module
+        from lightning_zenflow.demo.base import PretrainRecipe, load_base_weights
+
+        self._pretrain_recipe: PretrainRecipe | None = None
+        if base_checkpoint is not None:
+            # loaded now, not at setup: a wrong file is a configuration error, reported before anything runs
+            self.model.load_state_dict(load_base_weights(base_checkpoint, self.model))
+        elif pretrain_steps > 0:
+            # checked now (a wrong path or value fails before anything runs); the pre-training itself waits for setup
+            self._pretrain_recipe = PretrainRecipe(
+                data_path=pretrain_data_path,
+                max_bytes=pretrain_max_bytes,
+                steps=pretrain_steps,
+                batch_size=pretrain_batch_size,
+                learning_rate=pretrain_learning_rate,
+            )
+
+    def setup(self, stage: str) -> None:
+        """Load (or pre-train, then cache) the base model before the first stage runs, if one is asked for.
+
+        Lightning calls this before the strategy builds the optimizer and ZenFlow's engine, on the CPU copy of the
+        model; the pre-training runs on the Trainer's device. A later ``ckpt_path`` load replaces these weights.
+        """
+        if self._pretrain_recipe is None:
+            return
+        from lightning_zenflow.demo.base import load_or_pretrain_base
+
+        cache_dir = self.hparams.pretrain_cache_dir or os.path.join(self.trainer.default_root_dir, "base_cache")
+        state = load_or_pretrain_base(
+            self.model.config, self._pretrain_recipe, cache_dir, device=self.trainer.strategy.root_device
+        )
+        self.model.load_state_dict(state)
+        self._pretrain_recipe = None  # once: fit then validate in one process keeps the fine-tuned weights
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The checkpoint's weights win: no base is loaded over them at ``setup`` (``load_from_checkpoint`` then
+        ``trainer.validate``, or a resumed fit)."""
+        self._pretrain_recipe = None
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
