@@ -706,7 +706,7 @@ class ZenFlowEngine:
             or not self._step_intervals
         ):
             return
-        choice = choose_update_interval(self._last_host_s, statistics.median(self._step_intervals))
+        choice = self.schedule.propose_interval(self._last_host_s, statistics.median(self._step_intervals))
         self.schedule.fix_interval(int(self.ranks.agree(choice, self.device)))  # the largest rank's choice
 
     # ---------------------------------------------------------------------------------------------- telemetry

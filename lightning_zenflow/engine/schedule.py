@@ -127,7 +127,13 @@ class Schedule:
 
     def decide_interval(self, host_update_s: float, device_step_s: float) -> None:
         """``update_interval="auto"``: fix S once from the first timed host update (see the docs)."""
-        self.fix_interval(choose_update_interval(host_update_s, device_step_s))
+        self.fix_interval(self.propose_interval(host_update_s, device_step_s))
+
+    @staticmethod
+    def propose_interval(host_update_s: float, device_step_s: float) -> int:
+        """The S that ``"auto"`` would choose from these timings (data parallel: each rank's proposal, then the
+        largest is fixed)."""
+        return choose_update_interval(host_update_s, device_step_s)
 
     def fix_interval(self, interval: int) -> None:
         """``update_interval="auto"``: fix S once (data parallel: the ranks' agreed choice)."""
