@@ -6,9 +6,9 @@
 Every rank writes ``OUT_DIR/rank{global_rank}.pt`` after the fit: its final weights, its engine's host bytes
 and link bytes, its worker's pid. Options (JSON): ``accelerator`` (default ``"cpu"``), ``devices``, ``strategy``
 (knobs of ``ZenFlowStrategy``, or ``"adamw"`` for Lightning's plain DDP/single-device AdamW), ``batch_size``,
-``max_steps``, ``ckpt_path`` (resume), ``checkpoint_every`` (Lightning's ModelCheckpoint writes
-``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at`` (the worker of rank ``fault_rank``, default 1, is killed
-at that step), ``fail_at`` (that rank raises at that step).
+``max_steps``, ``accumulate_grad_batches``, ``ckpt_path`` (resume), ``checkpoint_every`` (Lightning's
+ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at`` (the worker of rank
+``fault_rank``, default 1, is killed at that step), ``fail_at`` (that rank raises at that step).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main() -> None:
         devices=devices,
         strategy=strategy,
         max_steps=options.get("max_steps", 8),
+        accumulate_grad_batches=options.get("accumulate_grad_batches", 1),
         max_epochs=100,
         logger=False,
         enable_checkpointing=bool(options.get("checkpoint_every")),

@@ -100,6 +100,16 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(fits: Fits) -> None:
     assert sum(d for d, _ in two[0]["link"]) + sum(d for d, _ in two[1]["link"]) == d2h_one
 
 
+def test_gradient_accumulation_across_ranks(fits: Fits) -> None:
+    # DDP skips the all-reduce of the accumulating micro-batches (Lightning's no_sync); the optimizer step sees the
+    # same averaged gradient as one rank accumulating the same samples
+    two = fits.get(devices=2, strategy=KNOBS, batch_size=2, accumulate_grad_batches=2)
+    one = fits.get(devices=1, strategy=KNOBS, batch_size=4, accumulate_grad_batches=2)
+    assert two[0]["global_step"] == one[0]["global_step"] == 8
+    assert_weights_equal(two[1]["weights"], two[0]["weights"])
+    assert_weights_close(two[0]["weights"], one[0]["weights"], atol=1e-6, rtol=1e-5)
+
+
 def test_degenerate_case_equals_lightning_adamw(fits: Fits) -> None:
     zenflow = fits.get(devices=2, strategy={"topk_ratio": 1.0}, batch_size=4)
     adamw = fits.get(devices=2, strategy="adamw", batch_size=4)
