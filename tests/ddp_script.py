@@ -8,7 +8,8 @@ and link bytes, its worker's pid. Options (JSON): ``accelerator`` (default ``"cp
 (knobs of ``ZenFlowStrategy``, or ``"adamw"`` for Lightning's plain DDP/single-device AdamW), ``batch_size``,
 ``max_steps``, ``accumulate_grad_batches``, ``ckpt_path`` (resume), ``checkpoint_every`` (Lightning's
 ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at`` (the worker of rank
-``fault_rank``, default 1, is killed at that step), ``fail_at`` (that rank raises at that step).
+``fault_rank``, default 1, is killed at that step), ``fail_at`` (that rank raises at that step), ``save_after``
+(``trainer.save_checkpoint(OUT_DIR/after.ckpt)`` once the fit has ended).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def main() -> None:
     if isinstance(trainer.strategy, lightning_zenflow.ZenFlowDDPStrategy):
         trainer.strategy._timeout = datetime.timedelta(seconds=60)  # a hung peer fails a test within a minute
     trainer.fit(module, ckpt_path=options.get("ckpt_path"))
+    if options.get("save_after"):
+        trainer.save_checkpoint(out / "after.ckpt")  # every rank calls it, as Lightning requires
     result = {
         "weights": weights(module),
         "global_step": trainer.global_step,

@@ -138,13 +138,18 @@ def test_checkpoints_move_between_rank_counts_and_plain_adamw(fits: Fits) -> Non
 
 def test_a_sharded_checkpoint_written_at_two_ranks_resumes_at_one(fits: Fits) -> None:
     knobs = {**KNOBS, "checkpoint_format": "sharded", "accumulate_on": "host"}
-    two = fits.get(devices=2, strategy=knobs, batch_size=4, checkpoint_every=4)
-    saved = fits.root / f"fit{len(fits.cache) - 1}" / "step=4.ckpt"
+    two = fits.get(devices=2, strategy=knobs, batch_size=4, checkpoint_every=4, save_after=True)
+    run = fits.root / f"fit{len(fits.cache) - 1}"
+    saved = run / "step=4.ckpt"
     # a directory: the meta file and one torch.distributed.checkpoint file per rank
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     resumed = fits.get(devices=1, strategy=knobs, batch_size=8, ckpt_path=str(saved))
     assert resumed[0]["global_step"] == 8
     assert_weights_close(resumed[0]["weights"], two[0]["weights"], atol=1e-6, rtol=1e-5)
+    # saved after the fit (the engine closed, its row blocks kept): resumes with the final weights
+    after = fits.get(devices=1, strategy=knobs, batch_size=8, ckpt_path=str(run / "after.ckpt"), max_steps=8)
+    assert after[0]["global_step"] == 8
+    assert_weights_close(after[0]["weights"], two[0]["weights"], atol=0.0, rtol=0.0)
 
 
 def assert_nothing_left(out: pathlib.Path) -> None:
