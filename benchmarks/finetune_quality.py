@@ -93,6 +93,8 @@ ABLATION_ROWS = (
     Row("refresh-16", {"select_strategy": "step", "select_interval": 16}, "re-select every 16 steps"),
     Row("warm-up-10", {"full_warm_up_rounds": 10}, "first 10 steps full synchronous AdamW"),
     Row("l1", {"importance": "l1"}, "column score: L1 sum instead of squared L2"),
+    Row("land-after-1", {"land_after": 1}, "host update lands 1 step after its window, not a window later"),
+    Row("land-after-2", {"land_after": 2}, "host update lands 2 steps after its window"),
     Row(
         "warm-up-10+refresh-16",
         {"full_warm_up_rounds": 10, "select_strategy": "step", "select_interval": 16},
