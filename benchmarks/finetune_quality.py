@@ -33,7 +33,6 @@ selection made at step 1 (what the default engine keeps) still captures.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
 import hashlib
@@ -52,6 +51,7 @@ import torch
 
 from lightning_zenflow import ZenFlowConfig, ZenFlowEngine
 from lightning_zenflow.config import num_selected_columns
+from lightning_zenflow.demo.stdlib import split_docstrings
 from lightning_zenflow.engine.selection import column_scores, top_columns
 
 # The demo model is imported inside the functions that need it: it imports Lightning, and the engine's spawned host
@@ -180,29 +180,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------------- corpora
-def split_docstrings(source: str) -> tuple[str, list[str]]:
-    """``(code without its docstrings, the docstrings)`` of a Python source; a docstring that shares a line with
-    code stays in the code (rare: ``def f(): "doc"``)."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    removed: set[int] = set()
-    docstrings = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        text = ast.get_docstring(node, clean=True)
-        if not text:
-            continue
-        docstrings.append(text)
-        expr = node.body[0]
-        first, last = expr.lineno - 1, expr.end_lineno - 1
-        alone = not lines[first][: expr.col_offset].strip() and not lines[last][expr.end_col_offset :].strip()
-        if alone:
-            removed.update(range(first, last + 1))
-    code = "".join(line for index, line in enumerate(lines) if index not in removed)
-    return code, docstrings
-
-
 @dataclasses.dataclass
 class Corpora:
     code_train: torch.Tensor

@@ -80,6 +80,25 @@ class SmallNet(nn.Module):
         return self.second(mixed)
 
 
+def start_engine(
+    rank: int, world: int, config: dict, host_delay_s: float = 0.0, weights: dict | None = None
+) -> tuple[SmallNet, torch.optim.Optimizer, ZenFlowEngine]:
+    """:class:`SmallNet` (seed 0, or ``weights``), its AdamW and a started engine over this rank's share."""
+    torch.manual_seed(0)
+    model = SmallNet()
+    if weights is not None:
+        model.load_state_dict(weights)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    engine = ZenFlowEngine(
+        optimizer,
+        ZenFlowConfig(**config, host_threads=1, bind_cores=False),
+        param_names={param: name for name, param in model.named_parameters()},
+        ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
+        host_delay_s=host_delay_s,
+    ).start()
+    return model, optimizer, engine
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     return torch.randn(12, 12, generator=generator), torch.randn(12, 4, generator=generator)
@@ -106,17 +125,7 @@ def engine_rank(
     import torch.distributed as dist
 
     init_group(rank, world, port)
-    torch.manual_seed(0)
-    model = SmallNet()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
-    names = {param: name for name, param in model.named_parameters()}
-    engine = ZenFlowEngine(
-        optimizer,
-        ZenFlowConfig(**config, host_threads=1, bind_cores=False),
-        param_names=names,
-        ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
-        host_delay_s=0.3 if rank == slow_rank else 0.0,
-    ).start()
+    model, optimizer, engine = start_engine(rank, world, config, host_delay_s=0.3 if rank == slow_rank else 0.0)
     result: dict[str, Any] = {"link": [], "host_bytes": engine.host_bytes()}
     try:
         for step in range(1, steps + 1):
@@ -160,17 +169,7 @@ def resume_rank(rank: int, world: int, port: int, config: dict, checkpoint: str,
 
     init_group(rank, world, port)
     saved = torch.load(checkpoint, weights_only=False)
-    torch.manual_seed(0)
-    model = SmallNet()
-    model.load_state_dict(saved["weights"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
-    names = {param: name for name, param in model.named_parameters()}
-    engine = ZenFlowEngine(
-        optimizer,
-        ZenFlowConfig(**config, host_threads=1, bind_cores=False),
-        param_names=names,
-        ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
-    ).start()
+    model, optimizer, engine = start_engine(rank, world, config, weights=saved["weights"])
     try:
         if "engine" in saved:
             engine.load_state_dict(saved["engine"], torch_state=saved["torch"])

@@ -37,16 +37,17 @@ STATE_VERSION = 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
-    """Per parameter name: full fp32 master and moments (device values for device columns) and counts.
+def _merged(engine: ZenFlowEngine, row_blocks: bool = False) -> dict[str, dict]:
+    """Per parameter name: fp32 master and moments (device values for device columns) and counts.
 
     Blocking device -> host copies: a synchronisation point on CUDA, taken only at checkpoints. Data parallel:
     every rank's host rows are gathered to rank 0 (collectives: every rank calls this at the same point), so the
     state is the same whatever the number of ranks, and any number of ranks can resume it; the other ranks take
-    part and get an empty dict (the convention of Lightning's consolidated optimizer states).
+    part and get an empty dict (the convention of Lightning's consolidated optimizer states). ``row_blocks``: each
+    matrix as this rank's row block instead, no collective, on every rank.
     """
     engine.synchronize_device()
-    keep = engine.ranks.rank == 0
+    keep = row_blocks or engine.ranks.rank == 0
     merged = {}
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
@@ -58,12 +59,16 @@ def _merged(engine: ZenFlowEngine) -> dict[str, dict]:
                 ("exp_avg", host.exp_avg, state.exp_avg),
                 ("exp_avg_sq", host.exp_avg_sq, state.exp_avg_sq),
             ):
-                full = engine.ranks.gather_rows(slot.view2d(host_row), slot.rows, engine.device)
-                if full is None:
-                    continue
+                if row_blocks:
+                    value = slot.view2d(host_row).clone()
+                    device_tensor = device_tensor[slot.row_start : slot.row_stop]
+                else:
+                    value = engine.ranks.gather_rows(slot.view2d(host_row), slot.rows, engine.device)
+                    if value is None:
+                        continue
                 if state.k:
-                    full.index_copy_(1, state.selected_host, device_tensor.cpu())
-                entry[key] = full.view(slot.param.shape)
+                    value.index_copy_(1, state.selected_host, device_tensor.cpu())
+                entry[key] = value if row_blocks else value.view(slot.param.shape)
             if not keep:
                 continue
             entry.update(
@@ -92,38 +97,7 @@ def engine_row_blocks(engine: ZenFlowEngine) -> dict:
     window's sum), no collective: the sharded checkpoint format. ``row_blocks`` marks it; it loads only into an
     engine whose rank owns the same rows (the sharded checkpoint reader reshards before it loads)."""
     engine.wait_idle()
-    engine.synchronize_device()
-    params = {}
-    for group_index, group in enumerate(engine.layout):
-        host = engine.host_buffers[group_index]
-        for state in engine.device_updater.selected[group_index]:
-            slot = state.slot
-            entry: dict = {}
-            for key, host_row, device_tensor in (
-                ("master", host.master, state.master),
-                ("exp_avg", host.exp_avg, state.exp_avg),
-                ("exp_avg_sq", host.exp_avg_sq, state.exp_avg_sq),
-            ):
-                block = slot.view2d(host_row).clone()
-                if state.k:
-                    block.index_copy_(1, state.selected_host, device_tensor[slot.row_start : slot.row_stop].cpu())
-                entry[key] = block
-            entry.update(
-                kind="matrix",
-                device_step=state.step,
-                host_step=int(host.step_shared[slot.index_in_group]),
-                selected=state.selected_host.clone(),
-            )
-            params[slot.name] = entry
-        for state, device_entry in zip(engine.device_updater.device_only[group_index], group.device_only):
-            params[device_entry.name] = {
-                "kind": "device",
-                "master": state.master.detach().cpu().clone(),
-                "exp_avg": state.exp_avg.cpu().clone(),
-                "exp_avg_sq": state.exp_avg_sq.cpu().clone(),
-                "device_step": state.step,
-                "host_step": 0,
-            }
+    params = _merged(engine, row_blocks=True)
     for name, block in engine.window_sums(row_blocks=True).items():
         params[name]["grad_acc"] = block
     return {"version": STATE_VERSION, "params": params, "progress": engine.schedule.state_dict(), "row_blocks": True}
