@@ -65,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-overlap", action="store_true", help="ZenFlow run: overlap_step=False (host update applied at once)."
     )
     parser.add_argument(
+        "--warm-up",
+        type=int,
+        default=None,
+        help="ZenFlow run: full_warm_up_rounds (default: the engine's, 10; 0 is the paper's rule).",
+    )
+    parser.add_argument(
         "--select-interval",
         type=int,
         default=None,
@@ -100,7 +106,9 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
 
 def zenflow_config(args: argparse.Namespace) -> ZenFlowConfig:
     """The ZenFlow run's knobs: the engine's defaults unless the command line changes them."""
-    select = {}
+    select: dict[str, int | str] = {}
+    if args.warm_up is not None:
+        select["full_warm_up_rounds"] = args.warm_up
     if args.select_interval is not None:
         select = {"select_strategy": "step", "select_interval": args.select_interval}
     return ZenFlowConfig(

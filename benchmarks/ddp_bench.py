@@ -182,7 +182,8 @@ def run_mode(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
     )
     engine = ZenFlowEngine(
         optimizer,
-        ZenFlowConfig(accumulate_on=mode),  # the defaults otherwise: topk_ratio 0.1, update_interval 4, overlap on
+        # the defaults otherwise (topk_ratio 0.1, update_interval 4, overlap on), without the warm-up: the steady state
+        ZenFlowConfig(full_warm_up_rounds=0, accumulate_on=mode),
         param_names={p: n for n, p in model.named_parameters()},
         ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
     ).start()

@@ -273,7 +273,8 @@ def param_groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
 
 
 def engine_config(name: str, args: argparse.Namespace) -> ZenFlowConfig | None:
-    base = ZenFlowConfig(topk_ratio=args.topk_ratio, update_interval=args.update_interval)
+    # no warm-up: the steady state is measured (the warm-up is 10 synchronous-offload steps once per run)
+    base = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=args.topk_ratio, update_interval=args.update_interval)
     if name == "zenflow-device":
         return base.replace(accumulate_on="device")
     if name == "zenflow-host":
@@ -486,7 +487,7 @@ def profile(workload: Workload, compute: ComputeStandIn, args: argparse.Namespac
     """A Chrome trace of ``--profile-steps`` steps of zenflow (``accumulate_on="auto"``) after the warm-up."""
     params = workload.build_params()
     optimizer = torch.optim.AdamW(param_groups(params), lr=args.lr, betas=(0.9, 0.95))
-    config = ZenFlowConfig(topk_ratio=args.topk_ratio, update_interval=args.update_interval)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=args.topk_ratio, update_interval=args.update_interval)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if workload.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

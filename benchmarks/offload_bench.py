@@ -161,8 +161,9 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
     select = {}
     if args.select_interval is not None:
         select = {"select_strategy": "step", "select_interval": args.select_interval}
-    # the host worker and the training process get disjoint cores; these are ZenFlowConfig's defaults, spelled out
-    base = ZenFlowConfig(bind_cores=True, pt_reserved_cores_perc=0.5, **select)
+    # the host worker and the training process get disjoint cores; these are ZenFlowConfig's defaults, spelled out.
+    # No warm-up: the steady state is measured (the warm-up is 10 synchronous-offload steps once per run).
+    base = ZenFlowConfig(full_warm_up_rounds=0, bind_cores=True, pt_reserved_cores_perc=0.5, **select)
     specs = [
         Spec("fwd+bwd", "fwd+bwd"),
         Spec("no-offload", "no-offload"),

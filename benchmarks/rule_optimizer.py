@@ -19,7 +19,11 @@ shows for the unselected columns. Each candidate change is a knob of ``Rule`` wh
   matrices: the columns with the largest score relative to their matrix's mean column score, taken globally);
 - ``matched_betas``: the host update of a window of n steps uses (β1ⁿ, β2ⁿ) instead of (β1, β2);
 - ``extrapolate``: a landed host update is shown as ``master + (L/S)·Δ``, where Δ is that update (the model shows a
-  prediction of where the pending update will put the weights); sync, refresh and flush show the plain master.
+  prediction of where the pending update will put the weights); sync, refresh and flush show the plain master;
+- ``matched_beta1``: only β1 matched (β1ⁿ, β2);
+- ``host_lr_scale``: the host update's learning rate times this factor (a longer host step for a window of S steps);
+- ``overlap_after``: windows that close at steps ``t <= overlap_after`` land at once (overlap off), later ones with
+  the lag: a cheaper alternative to a synchronous warm-up (one wait per window instead of one per step).
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ class Rule:
     ema_beta: float = 0.9
     share: str = "fixed"
     extrapolate: bool = False
+    overlap_after: int = 0
+    """Windows that close at a step t <= overlap_after land at once (overlap off), later ones as ``lag`` says."""
+    matched_beta1: bool = False
+    """Only β1 matched: the host update of an n-step window uses (β1ⁿ, β2)."""
+    host_lr_scale: float = 1.0
+    """The host update of a window uses ``lr × host_lr_scale`` (1: the paper's)."""
     matched_betas: bool = False
     """The host update of an n-step window uses (β1ⁿ, β2ⁿ): its moments' time constants, counted in steps, are
     AdamW's (with β per window they are S times longer)."""
@@ -228,7 +238,7 @@ class RuleOptimizer:
         if self.pending is not None and self.pending.lands_at == self.t:
             self._land(extrapolate=rule.extrapolate)
         if self.steps_in_window == rule.interval:
-            self._close_window(groups, lag=rule.lag)
+            self._close_window(groups, lag=0 if self.t <= rule.overlap_after else rule.lag)
             if rule.refresh == "window":
                 self._select(grads, cheap=True)
             elif rule.refresh == "sync" and self.t - self.t_select >= rule.refresh_interval:
@@ -245,6 +255,11 @@ class RuleOptimizer:
             if cols.any() and matrix.window_grads > 0:
                 matrix.host_count += 1
                 group = groups[matrix.group]
+                if self.rule.host_lr_scale != 1.0:
+                    group = {**group, "lr": group["lr"] * self.rule.host_lr_scale}
+                if self.rule.matched_beta1:
+                    beta1, beta2 = group["betas"]
+                    group = {**group, "betas": (beta1**matrix.window_grads, beta2)}
                 if self.rule.matched_betas:  # moments that average over as many steps as the device's do
                     beta1, beta2 = group["betas"]
                     group = {**group, "betas": (beta1**matrix.window_grads, beta2**matrix.window_grads)}

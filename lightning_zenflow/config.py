@@ -38,8 +38,10 @@ class ZenFlowConfig:
     """Refresh period in the unit of ``select_strategy``; must be ``"auto"`` when the strategy is ``"auto"``.
     Refreshes land on the first window end at or after the period."""
 
-    full_warm_up_rounds: int = 0
-    """First optimizer steps run as plain synchronous AdamW over every element (no selection)."""
+    full_warm_up_rounds: int = 10
+    """First optimizer steps run as plain synchronous AdamW over every element (no selection), so that Adam's
+    moments are filled before updates arrive late. 0 is the paper's rule (and DeepSpeed's default); 10 removed the
+    loss spike that the delayed first host updates cause in a fine-tune (docs/update_rule.md, "Defaults, and why")."""
 
     overlap_step: bool = True
     """Run the host update asynchronously, overlapped with the next window of device steps (its result lands

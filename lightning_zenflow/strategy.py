@@ -461,7 +461,7 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         update_interval: int | Literal["auto"] = 4,
         select_strategy: Literal["auto", "step", "epoch"] = "auto",
         select_interval: int | Literal["auto"] = "auto",
-        full_warm_up_rounds: int = 0,
+        full_warm_up_rounds: int = 10,
         overlap_step: bool = True,
         land_after: int | None = None,
         accumulate_on: Literal["auto", "device", "host"] = "auto",

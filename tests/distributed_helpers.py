@@ -91,7 +91,7 @@ def start_engine(
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
     engine = ZenFlowEngine(
         optimizer,
-        ZenFlowConfig(**config, host_threads=1, bind_cores=False),
+        ZenFlowConfig(**{"full_warm_up_rounds": 0, **config}, host_threads=1, bind_cores=False),
         param_names={param: name for name, param in model.named_parameters()},
         ranks=Ranks.from_process_group(local_rank=rank, local_world=world),
         host_delay_s=host_delay_s,

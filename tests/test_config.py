@@ -19,7 +19,7 @@ def test_defaults():
     assert config.update_interval == 4
     assert config.select_strategy == "auto"
     assert config.select_interval == "auto"
-    assert config.full_warm_up_rounds == 0
+    assert config.full_warm_up_rounds == 10
     assert config.overlap_step is True
     assert config.importance == "l2"
     assert config.sync_on == ("validation", "checkpoint")

@@ -141,7 +141,7 @@ def test_rho_zero_with_overlap_is_adamw_one_step_late() -> None:
     twin = copy.deepcopy(model)
     opt, twin_opt = _optimizer(model, "adamw"), _optimizer(twin, "adamw")
     schedulers = [_scheduler(opt), _scheduler(twin_opt)]
-    config = ZenFlowConfig(topk_ratio=0.0, update_interval=1, overlap_step=True)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.0, update_interval=1, overlap_step=True)
     names = {param: name for name, param in model.named_parameters()}
     generator = torch.Generator().manual_seed(2)
     iterates = [copy.deepcopy(twin.state_dict())]  # iterates[t] = AdamW after t steps

@@ -107,7 +107,7 @@ def test_bf16_model_keeps_updates_below_half_an_ulp() -> None:
     # the premise: plain AdamW on the bf16 weights loses every one of these updates
     naive = {name: nn.Parameter(value.clone()) for name, value in initial.items()}
     naive_opt = torch.optim.AdamW(naive.values(), lr=lr, weight_decay=0.0)
-    config = ZenFlowConfig(topk_ratio=0.5, update_interval=1, overlap_step=False)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.5, update_interval=1, overlap_step=False)
     params = {"weight": weight, "bias": bias}
     with ZenFlowEngine(opt, config, param_names={weight: "weight", bias: "bias"}) as engine:
         for t in range(1, steps + 1):

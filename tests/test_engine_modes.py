@@ -116,7 +116,9 @@ def test_delayed_asynchronous_stages_change_nothing_bitwise(accumulate_on):
 
 def test_unknown_stage_to_delay_is_refused():
     layer = nn.Linear(4, 3)
-    engine = ZenFlowEngine(torch.optim.AdamW(layer.parameters()), ZenFlowConfig(), stage_delays={"gpu": 1.0})
+    engine = ZenFlowEngine(
+        torch.optim.AdamW(layer.parameters()), ZenFlowConfig(full_warm_up_rounds=0), stage_delays={"gpu": 1.0}
+    )
     with pytest.raises(ValueError, match=r"unknown stage\(s\) \['gpu'\]"):
         engine.start()
 
@@ -129,7 +131,7 @@ def test_link_bytes_per_mode_follow_the_cost_model():
     for mode in ("device", "host"):
         weight = nn.Parameter(torch.randn(8, 20, dtype=torch.bfloat16))
         opt = torch.optim.AdamW([weight], lr=1e-3)
-        config = ZenFlowConfig(topk_ratio=0.1, update_interval=4, accumulate_on=mode)
+        config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.1, update_interval=4, accumulate_on=mode)
         with ZenFlowEngine(opt, config) as engine:
             stats = []
             for _ in range(12):
@@ -153,7 +155,9 @@ def test_link_bytes_per_mode_follow_the_cost_model():
 def test_refresh_moves_only_the_columns_that_change_side():
     layer = nn.Linear(10, 3, bias=False)
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    config = ZenFlowConfig(topk_ratio=0.3, update_interval=2, select_strategy="step", select_interval=2)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.3, update_interval=2, select_strategy="step", select_interval=2
+    )
 
     def gradient(hot: tuple[int, ...]) -> torch.Tensor:
         grad = torch.full((3, 10), 0.01)
@@ -181,7 +185,7 @@ def test_auto_takes_the_device_when_it_fits_and_the_host_when_not(monkeypatch):
         layer = nn.Linear(32, 16)
         opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
         monkeypatch.setattr(streams.Lanes, "free_bytes", lambda self: free_bytes)
-        with ZenFlowEngine(opt, ZenFlowConfig(topk_ratio=0.25)) as engine:
+        with ZenFlowEngine(opt, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25)) as engine:
             layer(torch.randn(2, 32)).sum().backward()
             engine.step()
             return engine.accumulate_on, engine.accumulate_on_reason
@@ -227,7 +231,8 @@ marker = pathlib.Path(sys.argv[1])
 marker.write_text(marker.read_text() + "top level ran\\n" if marker.exists() else "top level ran\\n")
 layer = torch.nn.Linear(8, 4)
 opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
-with ZenFlowEngine(opt, ZenFlowConfig(topk_ratio=0.25, update_interval=1, overlap_step=False)) as engine:
+config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=1, overlap_step=False)
+with ZenFlowEngine(opt, config) as engine:
     for _ in range(3):
         layer(torch.randn(2, 8)).sum().backward()
         engine.step()
@@ -266,7 +271,9 @@ def test_an_overflowed_step_is_skipped_on_the_device_without_a_host_read(accumul
     grads[1] = {name: torch.full_like(p, float("nan")) for name, p in layer.named_parameters()}
     flags = [0.0, 1.0, 0.0, 0.0]
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
-    config = ZenFlowConfig(topk_ratio=0.0, update_interval=4, overlap_step=False, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.0, update_interval=4, overlap_step=False, accumulate_on=accumulate_on
+    )
     with ZenFlowEngine(opt, config, param_names={p: n for n, p in layer.named_parameters()}) as engine:
         for step_grads, flag in zip(grads, flags):
             for name, param in layer.named_parameters():
@@ -295,7 +302,7 @@ def test_a_window_whose_every_gradient_overflowed_changes_nothing():
     layer = nn.Linear(6, 4)
     initial = {name: p.detach().clone() for name, p in layer.named_parameters()}
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
-    config = ZenFlowConfig(topk_ratio=0.25, update_interval=2, overlap_step=False)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, overlap_step=False)
     with ZenFlowEngine(opt, config, param_names={p: n for n, p in layer.named_parameters()}) as engine:
         for _ in range(2):
             for param in layer.parameters():

@@ -14,7 +14,9 @@ def test_engine_phases_are_profiler_ranges_and_stats_are_filled(accumulate_on: s
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    config = ZenFlowConfig(topk_ratio=0.25, update_interval=2, overlap_step=False, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, overlap_step=False, accumulate_on=accumulate_on
+    )
     with ZenFlowEngine(optimizer, config, param_names={p: n for n, p in layer.named_parameters()}) as engine:
         with profile() as prof:
             stats = []

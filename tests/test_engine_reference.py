@@ -372,7 +372,12 @@ def test_reference_degenerate_cases_equal_torch(ratio: float, overlap: bool, opt
     names = {param: name for name, param in params.items()}
     interval = 3 if ratio == 1.0 else 1
     config = ZenFlowConfig(
-        topk_ratio=ratio, update_interval=interval, overlap_step=overlap, select_strategy="step", select_interval=3
+        full_warm_up_rounds=0,
+        topk_ratio=ratio,
+        update_interval=interval,
+        overlap_step=overlap,
+        select_strategy="step",
+        select_interval=3,
     )
     ref = ReferenceZenFlow(opt.param_groups, names, config)
     generator = torch.Generator().manual_seed(4)

@@ -195,7 +195,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(uninterrupted: Uninterrupted, s
 # ------------------------------------------------------------------------------------------- validation
 def _device_only_engine(model: Net) -> ZenFlowEngine:
     """rho=1 and no warm-up: no host worker to spawn; loading validates the same way."""
-    config = ZenFlowConfig(topk_ratio=1.0, update_interval=1)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0, update_interval=1)
     return ZenFlowEngine(_optimizer(model), config, param_names={p: n for n, p in model.named_parameters()})
 
 
@@ -287,7 +287,7 @@ def test_load_torch_state_dict_continues_plain_adamw(ratio: float, overlap: bool
         plain_opt.zero_grad()
     model = copy.deepcopy(plain)
     opt = _optimizer(model)
-    config = ZenFlowConfig(topk_ratio=ratio, update_interval=1, overlap_step=overlap)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=ratio, update_interval=1, overlap_step=overlap)
     names = {param: name for name, param in model.named_parameters()}
     with ZenFlowEngine(opt, config, param_names=names) as engine:
         engine.load_torch_state_dict(copy.deepcopy(plain_opt.state_dict()))

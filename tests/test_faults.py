@@ -68,7 +68,7 @@ def _status_bytes(key: str) -> int:
 def _wide_engine(**knobs: Any) -> ZenFlowEngine:
     """A 2048 x 2048 matrix: 80 MiB of host state (20 B per element)."""
     layer = nn.Linear(2048, 2048)
-    return ZenFlowEngine(torch.optim.AdamW(layer.parameters()), ZenFlowConfig(**knobs))
+    return ZenFlowEngine(torch.optim.AdamW(layer.parameters()), ZenFlowConfig(**{"full_warm_up_rounds": 0, **knobs}))
 
 
 def _machine(**figures: Any) -> MachineResources:
@@ -151,7 +151,7 @@ def test_a_real_64_mib_dev_shm(tmp_path: pathlib.Path) -> None:
             for skip in ("", "1"):  # with the check, then without it
                 os.environ["{preflight_module.SKIP_ENV}"] = skip
                 try:
-                    ZenFlowEngine(torch.optim.AdamW(layer.parameters()), ZenFlowConfig()).start()
+                    ZenFlowEngine(torch.optim.AdamW(layer.parameters()), ZenFlowConfig(full_warm_up_rounds=0)).start()
                 except Exception as error:
                     print(type(error).__name__, error)
             """
@@ -212,7 +212,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     directory = tmp_path_factory.mktemp("saved")
     checkpoint = ModelCheckpoint(dirpath=directory, filename="good", save_top_k=1)
     trainer = make_trainer(
-        ZenFlowStrategy(topk_ratio=0.25, update_interval=3),
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=3),
         root_dir=directory,
         enable_checkpointing=True,
         callbacks=[checkpoint],
@@ -223,7 +223,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 def _resume(path: pathlib.Path, module: lightning.LightningModule | None = None, **knobs: Any) -> Any:
     module = module if module is not None else TinyModule()
-    trainer = make_trainer(ZenFlowStrategy(**knobs), max_epochs=3)
+    trainer = make_trainer(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **knobs}), max_epochs=3)
     trainer.fit(module, ckpt_path=path)
     return trainer
 
@@ -320,7 +320,9 @@ def test_engine_state_that_does_not_fit_is_refused_before_loading(
     module = TinyModule()
     before = weights(module)
     record = RecordWorkerPid()
-    trainer = make_trainer(ZenFlowStrategy(topk_ratio=0.25, update_interval=3), callbacks=[record])
+    trainer = make_trainer(
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=3), callbacks=[record]
+    )
     with pytest.raises(CheckpointError) as raised:
         trainer.fit(module, ckpt_path=path)
     message = str(raised.value)
@@ -345,7 +347,7 @@ def _knob_engine(topk_ratio: float, **knobs: Any) -> tuple[nn.Linear, ZenFlowEng
     layer = nn.Linear(COLUMNS, 16)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
     names = {param: name for name, param in layer.named_parameters()}
-    config = ZenFlowConfig(topk_ratio=topk_ratio, **{**BASE, **knobs})
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=topk_ratio, **{**BASE, **knobs})
     return layer, ZenFlowEngine(optimizer, config, param_names=names).start()
 
 
@@ -449,7 +451,9 @@ class _SelectionSizes(Callback):
 def test_lightning_resumes_with_other_knobs(saved: pathlib.Path) -> None:
     sizes = _SelectionSizes()
     module = TinyModule()
-    trainer = make_trainer(ZenFlowStrategy(topk_ratio=0.5, update_interval=2), max_epochs=3, callbacks=[sizes])
+    trainer = make_trainer(
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.5, update_interval=2), max_epochs=3, callbacks=[sizes]
+    )
     trainer.fit(module, ckpt_path=saved)
     assert trainer.global_step == 24
     assert sizes.sizes == [[num_selected_columns(8, 0.5), num_selected_columns(16, 0.5)]]
@@ -482,7 +486,7 @@ def _fit(knobs: dict, directory: pathlib.Path, callbacks: list[Callback], ckpt_p
     module = TinyModule(samples=20)  # 5 steps per epoch
     every_epoch = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1)
     trainer = make_trainer(
-        ZenFlowStrategy(**knobs),
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **knobs}),
         root_dir=directory,
         max_epochs=4,
         enable_checkpointing=True,
@@ -535,8 +539,9 @@ class Announce(Callback):
         if trainer.global_step == 5:
             print(json.dumps({"worker": trainer.strategy.engine.worker_pid}), flush=True)
 
-trainer = make_trainer(ZenFlowStrategy(topk_ratio=0.1, update_interval=2), root_dir=sys.argv[1], max_epochs=1000,
-                       enable_checkpointing=True, callbacks=[Announce(), OnExceptionCheckpoint(sys.argv[1])])
+strategy = ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.1, update_interval=2)
+trainer = make_trainer(strategy, root_dir=sys.argv[1], max_epochs=1000, enable_checkpointing=True,
+                       callbacks=[Announce(), OnExceptionCheckpoint(sys.argv[1])])
 trainer.fit(Wide())
 """
 HOST_STATE_BYTES = 20 * (1024 * 1024 + 8 * 1024 + 1024 * 4)

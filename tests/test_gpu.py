@@ -175,11 +175,25 @@ def _assert_moved(result: Result, at_least: float) -> None:
 
 # ------------------------------------------------------------------------------------ numbers: CUDA against CPU
 CONFIGS = [
-    ZenFlowConfig(topk_ratio=0.1, update_interval=3, select_strategy="step", select_interval=3, accumulate_on="device"),
-    ZenFlowConfig(topk_ratio=0.1, update_interval=3, select_strategy="step", select_interval=3, accumulate_on="host"),
-    ZenFlowConfig(topk_ratio=0.5, update_interval=1, overlap_step=False),
+    ZenFlowConfig(
+        full_warm_up_rounds=0,
+        topk_ratio=0.1,
+        update_interval=3,
+        select_strategy="step",
+        select_interval=3,
+        accumulate_on="device",
+    ),
+    ZenFlowConfig(
+        full_warm_up_rounds=0,
+        topk_ratio=0.1,
+        update_interval=3,
+        select_strategy="step",
+        select_interval=3,
+        accumulate_on="host",
+    ),
+    ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.5, update_interval=1, overlap_step=False),
     ZenFlowConfig(topk_ratio=0.0, update_interval=2, full_warm_up_rounds=2),
-    ZenFlowConfig(topk_ratio=1.0, update_interval=4),
+    ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0, update_interval=4),
 ]
 
 
@@ -202,7 +216,7 @@ def test_cuda_engine_equals_cpu_engine(config: ZenFlowConfig) -> None:
 def test_bf16_model_on_cuda_equals_the_cpu_engine_in_bf16() -> None:
     """The fp32 masters of a bf16 model match the CPU engine's run in bf16 far below the distance they moved, and
     the bf16 weights are exactly the masters rounded."""
-    config = ZenFlowConfig(topk_ratio=0.5, update_interval=2)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.5, update_interval=2)
     on_cpu = _run("cpu", config, dtype=torch.bfloat16, coupled=False)
     on_cuda = _run(DEVICE, config, dtype=torch.bfloat16, coupled=False)
     _assert_moved(on_cpu, 100 * CPU_TOLERANCE)
@@ -218,7 +232,9 @@ def test_bf16_model_on_cuda_equals_the_cpu_engine_in_bf16() -> None:
 # --------------------------------------------------------------------------------- numbers: CUDA against CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_device_and_host_accumulation_are_bitwise_equal_on_cuda(dtype: torch.dtype) -> None:
-    config = ZenFlowConfig(topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=6)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=6
+    )
     device = _run(DEVICE, config.replace(accumulate_on="device"), dtype=dtype)
     host = _run(DEVICE, config.replace(accumulate_on="host"), dtype=dtype)
     assert {s.accumulate_on for s in device.stats} == {"device"}
@@ -231,7 +247,12 @@ def test_device_and_host_accumulation_are_bitwise_equal_on_cuda(dtype: torch.dty
 @pytest.mark.parametrize("accumulate_on", MODES)
 def test_delayed_stages_give_bitwise_the_undelayed_result_on_cuda(accumulate_on: str) -> None:
     config = ZenFlowConfig(
-        topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=6, accumulate_on=accumulate_on
+        full_warm_up_rounds=0,
+        topk_ratio=0.25,
+        update_interval=3,
+        select_strategy="step",
+        select_interval=6,
+        accumulate_on=accumulate_on,
     )
     undelayed = _run(DEVICE, config)
     delayed = _run(DEVICE, config, stage_delays=STAGE_DELAYS)
@@ -242,7 +263,7 @@ def test_delayed_stages_give_bitwise_the_undelayed_result_on_cuda(accumulate_on:
 
 
 def test_slow_worker_is_bitwise_equal_on_cuda() -> None:
-    config = ZenFlowConfig(topk_ratio=0.2, update_interval=2)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.2, update_interval=2)
     fast = _run(DEVICE, config, steps=9)
     slow = _run(DEVICE, config, steps=9, host_delay_s=0.2)
     _assert_bitwise(fast, slow)
@@ -250,7 +271,7 @@ def test_slow_worker_is_bitwise_equal_on_cuda() -> None:
 
 @pytest.mark.parametrize("accumulate_on", MODES)
 def test_cuda_resume_with_update_in_flight_is_exact(accumulate_on: str) -> None:
-    config = ZenFlowConfig(topk_ratio=0.2, update_interval=2, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.2, update_interval=2, accumulate_on=accumulate_on)
     grads = [{n: g.to(DEVICE) for n, g in step.items()} for step in _gradients(10)]
     reference = _model().to(DEVICE)
     with ZenFlowEngine(_optimizer(reference), config, param_names=_names(reference)) as engine:
@@ -275,7 +296,7 @@ def test_cuda_resume_with_update_in_flight_is_exact(accumulate_on: str) -> None:
 @pytest.mark.parametrize("accumulate_on", MODES)
 def test_streams_events_and_pinned_host_memory(accumulate_on: str) -> None:
     model = _model(torch.bfloat16).to(DEVICE)
-    config = ZenFlowConfig(topk_ratio=0.25, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, accumulate_on=accumulate_on)
     with ZenFlowEngine(_optimizer(model), config, param_names=_names(model)) as engine:
         lanes = engine.lanes
         streams = [lanes.side, lanes.d2h, lanes.h2d]
@@ -307,7 +328,12 @@ def test_no_host_synchronisation_on_the_hot_path(accumulate_on: str) -> None:
     """Steps that are not refreshes, window ends included, make no synchronising CUDA call."""
     model = _model().to(DEVICE)
     config = ZenFlowConfig(
-        topk_ratio=0.1, update_interval=2, select_strategy="step", select_interval=1000, accumulate_on=accumulate_on
+        full_warm_up_rounds=0,
+        topk_ratio=0.1,
+        update_interval=2,
+        select_strategy="step",
+        select_interval=1000,
+        accumulate_on=accumulate_on,
     )
     grads = [{n: g.to(DEVICE) for n, g in step.items()} for step in _gradients(7)]
     with ZenFlowEngine(_optimizer(model), config, param_names=_names(model)) as engine:
@@ -333,7 +359,12 @@ def test_device_mode_steps_between_window_ends_never_wait_for_the_gpu() -> None:
     delay = 0.2
     model = _model().to(DEVICE)
     config = ZenFlowConfig(
-        topk_ratio=0.25, update_interval=4, select_strategy="step", select_interval=1000, accumulate_on="device"
+        full_warm_up_rounds=0,
+        topk_ratio=0.25,
+        update_interval=4,
+        select_strategy="step",
+        select_interval=1000,
+        accumulate_on="device",
     )
     grads = [{n: g.to(DEVICE) for n, g in step.items()} for step in _gradients(8)]
     host_s: list[float] = []
@@ -352,7 +383,7 @@ def test_device_bytes_follow_the_memory_model(accumulate_on: str) -> None:
     accumulator and a model-dtype upload buffer per matrix element, host mode its two staging slots."""
     model = _model().to(DEVICE)
     ratio = 0.25
-    config = ZenFlowConfig(topk_ratio=ratio, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=ratio, accumulate_on=accumulate_on)
     with ZenFlowEngine(_optimizer(model), config, param_names=_names(model)) as engine:
         for p in model.parameters():
             p.grad = torch.randn_like(p)
@@ -408,10 +439,12 @@ def test_lightning_fit_bf16_true_on_cuda(tmp_path: pathlib.Path) -> None:
 
 def test_lightning_bf16_mixed_on_cuda() -> None:
     control, _ = _cuda_fit("auto", precision="bf16-mixed")
-    everything_on_device, _ = _cuda_fit(ZenFlowStrategy(topk_ratio=1.0), precision="bf16-mixed")
+    everything_on_device, _ = _cuda_fit(ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=1.0), precision="bf16-mixed")
     assert_weights_close(weights(everything_on_device), weights(control))
     initial = weights(TinyModule())
-    module, trainer = _cuda_fit(ZenFlowStrategy(topk_ratio=0.25, update_interval=2), precision="bf16-mixed")
+    module, trainer = _cuda_fit(
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2), precision="bf16-mixed"
+    )
     assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
     assert all(p.dtype == torch.float32 for p in module.parameters()), "bf16-mixed keeps fp32 weights"
     assert module.train_losses[-1] < module.train_losses[0]
@@ -447,7 +480,9 @@ def test_lightning_16_mixed_skips_a_step_with_inf_gradients_on_cuda() -> None:
     inject = _InjectInf(at_step=3)
     plugin = ZenFlowPrecision("16-mixed", device=DEVICE)
     # every matrix on the host, synchronously: a step that ran changes the weights before the batch ends
-    strategy = ZenFlowStrategy(topk_ratio=0.25, update_interval=1, overlap_step=False, precision_plugin=plugin)
+    strategy = ZenFlowStrategy(
+        full_warm_up_rounds=0, topk_ratio=0.25, update_interval=1, overlap_step=False, precision_plugin=plugin
+    )
     module, _ = _cuda_fit(strategy, max_epochs=1, callbacks=[inject])
     assert len(inject.records) == 8
     for global_step, unchanged, scale_before, scale_after in inject.records:
@@ -471,11 +506,13 @@ class _RecordEngineSteps(Callback):
 def test_lightning_accumulate_grad_batches_on_cuda() -> None:
     # 7 batches per epoch with accumulate_grad_batches=2: Lightning also steps on the odd last batch of each epoch
     control, control_trainer = _cuda_fit("auto", TinyModule(samples=28), accumulate_grad_batches=2)
-    on_device, _ = _cuda_fit(ZenFlowStrategy(topk_ratio=1.0), TinyModule(samples=28), accumulate_grad_batches=2)
+    on_device, _ = _cuda_fit(
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=1.0), TinyModule(samples=28), accumulate_grad_batches=2
+    )
     assert_weights_close(weights(on_device), weights(control))
     steps = _RecordEngineSteps()
     _, trainer = _cuda_fit(
-        ZenFlowStrategy(topk_ratio=0.25, update_interval=2),
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2),
         TinyModule(samples=28),
         accumulate_grad_batches=2,
         callbacks=[steps],
@@ -503,7 +540,7 @@ class _ProbeValidationStart(Callback):
 def test_lightning_validation_sees_every_finished_host_update_on_cuda() -> None:
     probe = _ProbeValidationStart()
     _, trainer = _cuda_fit(
-        ZenFlowStrategy(topk_ratio=0.25, update_interval=2, overlap_step=True),
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, overlap_step=True),
         limit_val_batches=2,
         val_check_interval=3,
         num_sanity_val_steps=1,
@@ -533,7 +570,7 @@ def _checkpointed_fit(
     module = TinyModule(samples=20)
     checkpoint = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1)
     trainer = make_trainer(
-        ZenFlowStrategy(**knobs),
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **knobs}),
         root_dir=directory,
         accelerator=DEVICE,
         max_epochs=4,

@@ -157,7 +157,7 @@ def test_host_adam_update_leaves_inactive_matrices_alone():
 def test_worker_exception_surfaces_with_its_traceback_and_close_restores_everything():
     affinity_before = os.sched_getaffinity(0)
     threads_before = torch.get_num_threads()
-    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1), host_fail_at=2)
+    layer, engine = _tiny_engine(ZenFlowConfig(full_warm_up_rounds=0, update_interval=1), host_fail_at=2)
     pid = engine.worker_pid
     try:
         error = _step_until_error(layer, engine, budget_s=20)
@@ -180,14 +180,16 @@ def test_worker_exception_surfaces_with_its_traceback_and_close_restores_everyth
 def test_start_after_close_says_build_a_new_engine():
     layer = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
-    engine = ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=1.0)).start()  # no worker needed
+    engine = ZenFlowEngine(optimizer, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0)).start()  # no worker needed
     engine.close()
     with pytest.raises(RuntimeError, match="was closed; build a new one"):
         engine.start()
 
 
 def test_sigkill_of_the_worker_is_detected_within_seconds():
-    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1, overlap_step=True), host_delay_s=0.02)
+    layer, engine = _tiny_engine(
+        ZenFlowConfig(full_warm_up_rounds=0, update_interval=1, overlap_step=True), host_delay_s=0.02
+    )
     pid = engine.worker_pid
     try:
         for _ in range(3):
@@ -235,7 +237,7 @@ def _kill_and_wait_until_exited(pid: int) -> None:
 
 
 def test_worker_death_seen_as_eof_reports_the_exit_status(monkeypatch):
-    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1), host_delay_s=5.0)
+    layer, engine = _tiny_engine(ZenFlowConfig(full_warm_up_rounds=0, update_interval=1), host_delay_s=5.0)
     pid = engine.worker_pid
     try:
         _step(layer, engine)  # update 1 in flight; the worker sleeps 5 s before computing it
@@ -251,7 +253,7 @@ def test_worker_death_seen_as_eof_reports_the_exit_status(monkeypatch):
 
 
 def test_worker_death_seen_at_submit_is_a_host_worker_error(monkeypatch):
-    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1))
+    layer, engine = _tiny_engine(ZenFlowConfig(full_warm_up_rounds=0, update_interval=1))
     pid = engine.worker_pid
     try:
         _step(layer, engine)  # update 1 submitted
@@ -270,7 +272,7 @@ def test_worker_death_seen_at_submit_is_a_host_worker_error(monkeypatch):
 
 def test_stopped_worker_fails_the_run_after_worker_timeout():
     timeout_s = 2.0
-    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=1, worker_timeout_s=timeout_s))
+    layer, engine = _tiny_engine(ZenFlowConfig(full_warm_up_rounds=0, update_interval=1, worker_timeout_s=timeout_s))
     pid = engine.worker_pid
     try:
         for _ in range(3):
@@ -302,7 +304,7 @@ def test_context_manager_exception_leaves_no_process():
     layer = torch.nn.Linear(8, 4)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
     pid = None
-    config = ZenFlowConfig(update_interval=2)
+    config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=2)
     # the raise must happen inside the engine's `with`
     with pytest.raises(ValueError, match="user code failed"), ZenFlowEngine(optimizer, config) as engine:  # noqa: PT012
         pid = engine.worker_pid
@@ -327,7 +329,7 @@ def test_close_leaves_no_files_in_dev_shm():
         return {name for name in names if any(name.startswith(f"torch_{pid}_") for pid in pids)}
 
     before = set(os.listdir("/dev/shm"))
-    layer, engine = _tiny_engine(ZenFlowConfig(update_interval=2))
+    layer, engine = _tiny_engine(ZenFlowConfig(full_warm_up_rounds=0, update_interval=2))
     pid = engine.worker_pid
     try:
         for _ in range(5):
@@ -353,7 +355,7 @@ def test_close_unmaps_the_shared_host_blocks():
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
     # topk_ratio=1 still allocates the host blocks but starts no worker: this test spawns nothing
     mapped_before = _shared_mappings()
-    engine = ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=1.0)).start()
+    engine = ZenFlowEngine(optimizer, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0)).start()
     block_ref = weakref.ref(engine.host_buffers[0].block_shared)
     ours = _shared_mappings() - mapped_before
     assert ours, "the host blocks should be mapped from /dev/shm while the engine runs"
@@ -390,7 +392,7 @@ def test_auto_update_interval_grows_for_a_host_heavy_workload(monkeypatch):
     weight.grad = torch.randn_like(weight)
     optimizer = torch.optim.AdamW([weight], lr=1e-3)
     stats = []
-    config = ZenFlowConfig(topk_ratio=0.0, update_interval="auto")
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.0, update_interval="auto")
     with ZenFlowEngine(optimizer, config, host_delay_s=0.04) as engine:
         # run until two windows after the decision at step 8 have closed (S <= 64, so at most 8 + 128 steps)
         while len(stats) < 8 + 2 * 64 and sum(s.window_end for s in stats[8:]) < 2:
@@ -413,7 +415,7 @@ def test_auto_update_interval_grows_for_a_host_heavy_workload(monkeypatch):
 # ------------------------------------------------------------------------------ fixed S and core binding
 def test_fixed_update_interval_is_reported_and_bind_cores_off_leaves_affinity():
     affinity_before = os.sched_getaffinity(0)
-    config = ZenFlowConfig(update_interval=3, overlap_step=False, bind_cores=False)
+    config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=3, overlap_step=False, bind_cores=False)
     layer, engine = _tiny_engine(config)
     pid = engine.worker_pid
     try:
@@ -435,7 +437,7 @@ def test_bind_cores_pins_both_sides_and_close_restores():
     if len(affinity_before) < 2:
         pytest.skip(f"needs at least 2 usable cores to bind disjointly, this process has {len(affinity_before)}")
     threads_before = torch.get_num_threads()
-    config = ZenFlowConfig(update_interval=1, bind_cores=True)
+    config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=1, bind_cores=True)
     train_cores, host_cores = config.core_split(sorted(affinity_before))
     layer, engine = _tiny_engine(config)
     pid = engine.worker_pid

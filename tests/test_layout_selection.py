@@ -185,7 +185,7 @@ def test_host_and_device_bytes_per_matrix_parameter_for_a_one_million_parameter_
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = ZenFlowConfig(topk_ratio=0.1, update_interval=2, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.1, update_interval=2, accumulate_on=accumulate_on)
     n_matrix = model.weight.numel()
     with ZenFlowEngine(optimizer, config, param_names={p: n for n, p in model.named_parameters()}) as engine:
         stats = []
@@ -217,7 +217,7 @@ def test_device_bytes_count_an_fp32_bias_as_its_own_master():
     layer = torch.nn.Linear(4, 2)  # weight [2, 4], bias [2], both fp32
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
     # topk_ratio=1: every column on the device, no host worker is started, no accumulator is needed
-    with ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=1.0)) as engine:
+    with ZenFlowEngine(optimizer, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0)) as engine:
         assert engine.worker_pid is None
         layer.weight.grad = torch.ones_like(layer.weight)
         layer.bias.grad = torch.ones_like(layer.bias)
@@ -325,7 +325,9 @@ def test_engine_reports_selection_diagnostics_at_refreshes():
     torch.manual_seed(0)
     layer = torch.nn.Linear(10, 3, bias=False)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    config = ZenFlowConfig(topk_ratio=0.2, update_interval=2, select_strategy="step", select_interval=2)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.2, update_interval=2, select_strategy="step", select_interval=2
+    )
 
     def gradient(hot: tuple[int, int]) -> torch.Tensor:
         grad = torch.full((3, 10), 0.01)
@@ -363,7 +365,7 @@ def test_cuda_host_block_is_shared_and_pinned_in_place():
     device = torch.device("cuda")
     layer = torch.nn.Linear(16, 8).to(device)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    with ZenFlowEngine(optimizer, ZenFlowConfig(topk_ratio=0.25, update_interval=1)) as engine:
+    with ZenFlowEngine(optimizer, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=1)) as engine:
         (host,) = engine.host_buffers
         assert host.block_shared.is_shared()
         assert host.block_shared.is_pinned()  # registered in place, not copied out of shared memory

@@ -52,7 +52,7 @@ def _run(
     callbacks: list[Callback] | None = None,
 ) -> Run:
     """One 4-epoch fit that checkpoints every epoch; ``strategy_knobs=None`` is plain Lightning."""
-    strategy = "auto" if strategy_knobs is None else ZenFlowStrategy(**strategy_knobs)
+    strategy = "auto" if strategy_knobs is None else ZenFlowStrategy(**{"full_warm_up_rounds": 0, **strategy_knobs})
     module = TinyModule(**module_kwargs)
     checkpoint = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1)
     trainer = make_trainer(

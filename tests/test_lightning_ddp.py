@@ -69,7 +69,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
 def test_zenflow_by_name_and_as_object_becomes_data_parallel() -> None:
     import lightning_zenflow
 
-    for strategy in ("zenflow", lightning_zenflow.ZenFlowStrategy(topk_ratio=0.3)):
+    for strategy in ("zenflow", lightning_zenflow.ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.3)):
         trainer = make_trainer(strategy, devices=2)
         assert isinstance(trainer.strategy, lightning_zenflow.ZenFlowDDPStrategy)
         assert trainer.strategy.num_processes == 2
@@ -83,7 +83,7 @@ def test_an_explicit_device_with_several_devices_fails_with_the_fix() -> None:
     import lightning_zenflow
 
     with pytest.raises(MisconfigurationException, match="Leave out `device`"):
-        make_trainer(lightning_zenflow.ZenFlowStrategy(device="cpu"), devices=2)
+        make_trainer(lightning_zenflow.ZenFlowStrategy(full_warm_up_rounds=0, device="cpu"), devices=2)
 
 
 def test_two_ranks_equal_one_rank_with_the_doubled_batch(fits: Fits) -> None:

@@ -40,7 +40,7 @@ class _RecordEngineSteps(Callback):
 def test_fit_changes_the_weights_and_rho1_equals_adamw() -> None:
     initial = weights(TinyModule())
     control, control_trainer = fit("auto")
-    zenflow, trainer = fit(ZenFlowStrategy(**DEVICE_ONLY))
+    zenflow, trainer = fit(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **DEVICE_ONLY}))
     assert trainer.global_step == control_trainer.global_step == 16
     for name, value in weights(zenflow).items():
         assert not value.equal(initial[name]), f"{name} did not train"
@@ -50,7 +50,7 @@ def test_fit_changes_the_weights_and_rho1_equals_adamw() -> None:
 
 def test_everything_on_the_host_synchronously_equals_adamw() -> None:
     control, _ = fit("auto")
-    zenflow, trainer = fit(ZenFlowStrategy(**HOST_SYNC))
+    zenflow, trainer = fit(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **HOST_SYNC}))
     assert trainer.global_step == 16
     assert_weights_close(weights(zenflow), weights(control))
 
@@ -61,7 +61,7 @@ def _manual_engine_loop(knobs: dict[str, Any], epochs: int) -> TinyModule:
     optimizer = module.configure_optimizers()
     names = {param: name for name, param in module.named_parameters()}
     loader = module.train_dataloader()
-    config = ZenFlowConfig(**knobs)
+    config = ZenFlowConfig(**{"full_warm_up_rounds": 0, **knobs})
     with ZenFlowEngine(optimizer, config, param_names=names, steps_per_epoch=len(loader)) as engine:
         for _ in range(epochs):
             for batch in loader:
@@ -77,7 +77,7 @@ def test_overlapped_zenflow_equals_a_manual_engine_loop() -> None:
     # the general case (columns split, overlapped windows, epoch-based refresh): Lightning must hand the engine
     # the same gradients at the same steps, tell it the epoch length, and flush at the end
     knobs = {"topk_ratio": 0.25, "update_interval": 3, "overlap_step": True, "sync_on": ()}
-    zenflow, trainer = fit(ZenFlowStrategy(**knobs))
+    zenflow, trainer = fit(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **knobs}))
     manual = _manual_engine_loop(knobs, epochs=2)
     assert trainer.global_step == 16
     assert_weights_close(weights(zenflow), weights(manual), atol=0.0)
@@ -89,7 +89,10 @@ def test_gradient_accumulation_steps_only_on_lightning_optimizer_steps(samples: 
     control, control_trainer = fit("auto", TinyModule(samples=samples), accumulate_grad_batches=2)
     steps = _RecordEngineSteps()
     zenflow, trainer = fit(
-        ZenFlowStrategy(**DEVICE_ONLY), TinyModule(samples=samples), accumulate_grad_batches=2, callbacks=[steps]
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **DEVICE_ONLY}),
+        TinyModule(samples=samples),
+        accumulate_grad_batches=2,
+        callbacks=[steps],
     )
     assert trainer.global_step == control_trainer.global_step == 2 * ((samples // 4 + 1) // 2)
     assert steps.engine_t == trainer.global_step
@@ -106,7 +109,7 @@ def _clip_settings(algorithm: str) -> dict[str, Any]:
 def test_gradient_clipping_equals_lightning(algorithm: str, knobs: dict[str, Any]) -> None:
     control, _ = fit("auto", **_clip_settings(algorithm))
     unclipped, _ = fit("auto")
-    zenflow, _ = fit(ZenFlowStrategy(**knobs), **_clip_settings(algorithm))
+    zenflow, _ = fit(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **knobs}), **_clip_settings(algorithm))
     assert_weights_close(weights(zenflow), weights(control))
     differences = [(weights(control)[n] - weights(unclipped)[n]).abs().max() for n in weights(control)]
     assert max(differences) > 1e-3, "the clip value is too large to change anything"
@@ -121,7 +124,10 @@ def _logged_lrs(log_dir: pathlib.Path) -> list[tuple[int, float]]:
 @pytest.mark.parametrize("interval", ["step", "epoch"])
 def test_lr_scheduler_and_lr_monitor_equal_lightning(interval: str, tmp_path: pathlib.Path) -> None:
     runs = {}
-    for name, strategy in (("control", "auto"), ("zenflow", ZenFlowStrategy(**DEVICE_ONLY))):
+    for name, strategy in (
+        ("control", "auto"),
+        ("zenflow", ZenFlowStrategy(**{"full_warm_up_rounds": 0, **DEVICE_ONLY})),
+    ):
         module, trainer = fit(
             strategy,
             TinyModule(scheduler=interval),

@@ -29,7 +29,7 @@ def test_from_plugin_wraps_the_connector_plugins() -> None:
 
 def test_bf16_mixed_rho1_equals_lightning() -> None:
     control, _ = fit("auto", precision="bf16-mixed")
-    zenflow, trainer = fit(ZenFlowStrategy(topk_ratio=1.0), precision="bf16-mixed")
+    zenflow, trainer = fit(ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=1.0), precision="bf16-mixed")
     assert isinstance(trainer.strategy.precision_plugin, ZenFlowPrecision)
     assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
     assert_weights_close(weights(zenflow), weights(control))
@@ -58,7 +58,7 @@ class _CheckMasters(Callback):
 def test_bf16_true_keeps_fp32_masters_and_trains() -> None:
     check = _CheckMasters()
     module, _ = fit(
-        ZenFlowStrategy(topk_ratio=0.25, update_interval=2),
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2),
         TinyModule(lr=3e-2),
         precision="bf16-true",
         callbacks=[check],
@@ -99,7 +99,9 @@ def test_16_mixed_skips_a_step_with_inf_gradients() -> None:
     plugin = ZenFlowPrecision("16-mixed", device="cpu")
     assert plugin.scaler is not None
     # every matrix on the host, synchronously: a step that ran changes the weights before the batch ends
-    strategy = ZenFlowStrategy(topk_ratio=0.25, update_interval=1, overlap_step=False, precision_plugin=plugin)
+    strategy = ZenFlowStrategy(
+        full_warm_up_rounds=0, topk_ratio=0.25, update_interval=1, overlap_step=False, precision_plugin=plugin
+    )
     module, trainer = fit(strategy, max_epochs=1, callbacks=[inject])
     assert trainer.strategy.precision_plugin is plugin
     assert len(inject.records) == 8

@@ -87,7 +87,7 @@ def test_strategy_by_name_converts_the_precision_flag() -> None:
 
 
 def test_strategy_instance_keeps_its_knobs_and_pickles() -> None:
-    strategy = ZenFlowStrategy(topk_ratio=0.2, update_interval=3, sync_on=["validation"])
+    strategy = ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.2, update_interval=3, sync_on=["validation"])
     restored = pickle.loads(pickle.dumps(strategy))
     assert restored.zenflow_config == strategy.zenflow_config
     trainer = lightning.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
@@ -106,7 +106,7 @@ def test_strategy_instance_keeps_its_knobs_and_pickles() -> None:
 def test_two_devices_or_nodes_make_it_data_parallel(strategy: str, flag: str) -> None:
     from lightning_zenflow import ZenFlowDDPStrategy
 
-    chosen = ZenFlowStrategy(topk_ratio=0.2) if strategy == "instance" else strategy
+    chosen = ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.2) if strategy == "instance" else strategy
     trainer = lightning.Trainer(strategy=chosen, accelerator="cpu", logger=False, **{flag: 2})
     assert isinstance(trainer.strategy, ZenFlowDDPStrategy)
     assert trainer.strategy.world_size == 2
@@ -159,7 +159,7 @@ class _ManualModule(TinyModule):
 )
 def test_unsupported_training_setups_fail_before_the_first_step(module, match: str) -> None:  # noqa: ANN001
     model = module()
-    trainer = make_trainer(ZenFlowStrategy(topk_ratio=0.0))
+    trainer = make_trainer(ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.0))
     with pytest.raises(MisconfigurationException, match=match):
         trainer.fit(model)
     assert model.train_losses == []  # no training step ran

@@ -34,7 +34,9 @@ def _assert_worker_gone(record: RecordWorkerPid) -> None:
 def test_normal_fit_leaves_no_process_and_restores_the_cores() -> None:
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     record = RecordWorkerPid()
-    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP), max_epochs=1, callbacks=[record])
+    trainer = make_trainer(
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **HOST_EVERY_STEP}), max_epochs=1, callbacks=[record]
+    )
     trainer.fit(TinyModule())
     _assert_worker_gone(record)
     assert trainer.strategy.engine is None
@@ -45,7 +47,7 @@ def test_normal_fit_leaves_no_process_and_restores_the_cores() -> None:
 
 def test_exception_in_training_step_leaves_no_process() -> None:
     record = RecordWorkerPid()
-    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP), callbacks=[record])
+    trainer = make_trainer(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **HOST_EVERY_STEP}), callbacks=[record])
     with pytest.raises(RuntimeError, match="injected failure at step 3"):
         trainer.fit(TinyModule(fail_at_step=3))
     _assert_worker_gone(record)
@@ -55,7 +57,7 @@ def test_exception_in_training_step_leaves_no_process() -> None:
 
 def test_keyboard_interrupt_leaves_no_process() -> None:
     record = RecordWorkerPid()
-    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP), callbacks=[record])
+    trainer = make_trainer(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **HOST_EVERY_STEP}), callbacks=[record])
     sigint_handler = signal.getsignal(signal.SIGINT)
     try:
         # Lightning 2.6.6 catches it, tears down, then calls sys.exit(1) (and ignores SIGINT from then on)
@@ -81,7 +83,9 @@ class _KillWorker(Callback):
 
 def test_killed_worker_fails_the_fit_quickly() -> None:
     record, kill = RecordWorkerPid(), _KillWorker(at_batch=3)
-    trainer = make_trainer(ZenFlowStrategy(**HOST_EVERY_STEP, worker_timeout_s=5.0), callbacks=[record, kill])
+    trainer = make_trainer(
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **HOST_EVERY_STEP}, worker_timeout_s=5.0), callbacks=[record, kill]
+    )
     with pytest.raises(HostWorkerError, match=r"host worker.*(died|signal 9)"):
         trainer.fit(TinyModule())
     assert time.monotonic() - kill.killed_at < 10.0
@@ -101,7 +105,9 @@ def test_the_same_trainer_fits_twice() -> None:
     record, callbacks = RecordWorkerPid(), _RecordCallbacks()
     module = TinyModule()
     trainer = make_trainer(
-        ZenFlowStrategy(topk_ratio=0.25, update_interval=2), max_epochs=1, callbacks=[record, callbacks]
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2),
+        max_epochs=1,
+        callbacks=[record, callbacks],
     )
     trainer.fit(module)
     after_first = weights(module)

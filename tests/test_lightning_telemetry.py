@@ -29,7 +29,9 @@ def _column(rows: list[dict[str, str]], name: str) -> list[float]:
 
 
 def test_metrics_progress_bar_and_summary(tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
-    strategy = ZenFlowStrategy(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=4)
+    strategy = ZenFlowStrategy(
+        full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=4
+    )
     with caplog.at_level(logging.INFO):
         _, trainer = fit(strategy, logger=CSVLogger(tmp_path, name="zf"), log_every_n_steps=1)
     rows = _metrics(tmp_path / "zf")
@@ -68,7 +70,7 @@ class _OwnCallbacks(Callback):
 def test_log_telemetry_false_adds_no_callback(tmp_path: pathlib.Path) -> None:
     own = _OwnCallbacks()
     _, trainer = fit(
-        ZenFlowStrategy(topk_ratio=1.0, log_telemetry=False),
+        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=1.0, log_telemetry=False),
         logger=CSVLogger(tmp_path, name="off"),
         log_every_n_steps=1,
         callbacks=[own],
@@ -80,6 +82,6 @@ def test_log_telemetry_false_adds_no_callback(tmp_path: pathlib.Path) -> None:
 
 def test_a_user_telemetry_callback_is_not_doubled() -> None:
     own, mine = _OwnCallbacks(), ZenFlowTelemetry(print_summary=False)
-    fit(ZenFlowStrategy(topk_ratio=1.0), max_epochs=1, callbacks=[own, mine])
+    fit(ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=1.0), max_epochs=1, callbacks=[own, mine])
     assert own.telemetry == [mine]
     assert mine.summary.steps == 8

@@ -40,7 +40,7 @@ class _ProbeValidationStart(Callback):
 def test_validation_sees_every_finished_host_update() -> None:
     probe = _ProbeValidationStart()
     module, trainer = fit(
-        ZenFlowStrategy(**OVERLAPPED),
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **OVERLAPPED}),
         limit_val_batches=2,
         val_check_interval=3,
         check_val_every_n_epoch=1,
@@ -58,7 +58,7 @@ def test_without_the_validation_boundary_host_work_stays_in_flight() -> None:
     # the control for the test above: the probe does see in-flight work when nobody syncs
     probe = _ProbeValidationStart()
     _, trainer = fit(
-        ZenFlowStrategy(**OVERLAPPED, sync_on=()),
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **OVERLAPPED}, sync_on=()),
         max_epochs=2,
         limit_val_batches=2,
         check_val_every_n_epoch=2,

@@ -112,6 +112,8 @@ VARIANTS = {
     "extrapolate": {"extrapolate": True, "refresh": "window"},
     "land-after": {"land_after": 1, "extrapolate": True},
     "matched-betas": {"matched_betas": True, "refresh": "window"},
+    "matched-beta1": {"matched_beta1": True},
+    "overlap-after": {"overlap_after": 4, "refresh": "window"},
 }
 
 
@@ -129,6 +131,25 @@ def test_land_after_zero_is_overlap_off() -> None:
     ours, _ = _drive(Rule(ratio=0.3, interval=3, land_after=0), seed=3, other=None)
     off, _ = _drive(Rule(ratio=0.3, interval=3, overlap=False), seed=3, other=None)
     torch.testing.assert_close(ours, off)
+
+
+def test_overlap_after_past_the_run_is_overlap_off() -> None:
+    """Windows that close at or before ``overlap_after`` land at once: past the last step, that is overlap off."""
+    ours, _ = _drive(Rule(ratio=0.3, interval=3, overlap_after=10_000), seed=3, other=None)
+    off, _ = _drive(Rule(ratio=0.3, interval=3, overlap=False), seed=3, other=None)
+    torch.testing.assert_close(ours, off)
+
+
+def test_host_lr_scale() -> None:
+    """A scaled host step size changes nothing when every column is on the device (rho 1: AdamW), and changes the
+    weights when the host updates some (it cannot keep the rho 0, S 1 case: that case is all host steps)."""
+    ours, adamw = _drive(Rule(ratio=1.0, interval=3, host_lr_scale=2.0), seed=2, other="adamw")
+    torch.testing.assert_close(ours, adamw)
+    base: list[torch.Tensor] = []
+    scaled: list[torch.Tensor] = []
+    _drive(Rule(ratio=0.3, interval=3), seed=4, other=None, trajectory=base)
+    _drive(Rule(ratio=0.3, interval=3, host_lr_scale=2.0), seed=4, other=None, trajectory=scaled)
+    assert any(not torch.equal(a, b) for a, b in zip(base, scaled))
 
 
 def test_variants_change_the_numbers() -> None:

@@ -84,7 +84,12 @@ def test_thousands_of_steps_hold_memory_descriptors_and_threads_flat(
     checkpoints = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=2, save_last=True)
     trainer = make_trainer(
         ZenFlowStrategy(
-            topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=30, accumulate_on=accumulate_on
+            full_warm_up_rounds=0,
+            topk_ratio=0.25,
+            update_interval=3,
+            select_strategy="step",
+            select_interval=30,
+            accumulate_on=accumulate_on,
         ),
         root_dir=tmp_path,
         max_epochs=EPOCHS,
