@@ -61,6 +61,8 @@ class Rule:
     """Windows that close at a step t <= overlap_after land at once (overlap off), later ones as ``lag`` says."""
     matched_beta1: bool = False
     """Only β1 matched: the host update of an n-step window uses (β1ⁿ, β2)."""
+    device_moments: str = "fp32"
+    """``"bf16"``: the device's moments are rounded to bfloat16 after every device update (half their bytes)."""
     host_lr_scale: float = 1.0
     """The host update of a window uses ``lr × host_lr_scale`` (1: the paper's)."""
     matched_betas: bool = False
@@ -230,6 +232,8 @@ class RuleOptimizer:
                 master, exp_avg, exp_avg_sq = adam_(
                     matrix.master[:, cols], matrix.exp_avg[:, cols], matrix.exp_avg_sq[:, cols], grad[:, cols],
                     groups[matrix.group], matrix.device_count)  # fmt: skip
+                if rule.device_moments == "bf16":
+                    exp_avg, exp_avg_sq = exp_avg.bfloat16().float(), exp_avg_sq.bfloat16().float()
                 matrix.master[:, cols], matrix.exp_avg[:, cols], matrix.exp_avg_sq[:, cols] = (master, exp_avg,
                                                                                                exp_avg_sq)  # fmt: skip
             matrix.window_sum[:, ~cols] += grad[:, ~cols]

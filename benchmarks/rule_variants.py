@@ -85,6 +85,15 @@ ROWS = (
     Row("warm-up-40", Rule(warm_up=40), "first 40 steps full synchronous AdamW"),
     Row("overlap-after-16", Rule(overlap_after=16), "windows closing at steps <= 16 land at once"),
     Row("overlap-after-40", Rule(overlap_after=40), "windows closing at steps <= 40 land at once"),
+    Row("warm-up-10+rho=0.15", Rule(warm_up=10, ratio=0.15), "rho 0.15: the device bytes of rho 0.1 without a master"),
+    Row("warm-up-10+rho=0.3", Rule(warm_up=10, ratio=0.3), "rho 0.3"),
+    Row(
+        "warm-up-10+rho=0.3+bf16",
+        Rule(warm_up=10, ratio=0.3, device_moments="bf16"),
+        "rho 0.3 with bf16 device moments and no master: the device bytes of rho 0.1",
+    ),
+    Row("warm-up-10+no-overlap", Rule(warm_up=10, overlap=False), "warm-up 10, overlap off (for reference)"),
+    Row("warm-up-10+land-1", Rule(warm_up=10, land_after=1), "warm-up 10, lands 1 step after its window"),
     Row(
         "extrapolate+adaptive+refresh-window",
         Rule(extrapolate=True, share="adaptive", refresh="window"),
