@@ -22,6 +22,8 @@ shows for the unselected columns. Each candidate change is a knob of ``Rule`` wh
   prediction of where the pending update will put the weights); sync, refresh and flush show the plain master;
 - ``matched_beta1``: only β1 matched (β1ⁿ, β2);
 - ``host_lr_scale``: the host update's learning rate times this factor (a longer host step for a window of S steps);
+- ``device_moments``: ``"bf16"`` rounds the device's moments to bfloat16 after every device update (a compact
+  device state: more columns in the same bytes);
 - ``overlap_after``: windows that close at steps ``t <= overlap_after`` land at once (overlap off), later ones with
   the lag: a cheaper alternative to a synchronous warm-up (one wait per window instead of one per step).
 """
@@ -74,6 +76,8 @@ class Rule:
             raise ValueError(f"score in {SCORES}, refresh in {REFRESHES}, share in {SHARES}; got {self}")
         if self.land_after is not None and not 0 <= self.land_after <= self.interval:
             raise ValueError(f"land_after={self.land_after} must be in 0..update interval {self.interval}")
+        if self.device_moments not in ("fp32", "bf16"):
+            raise ValueError(f"device_moments must be 'fp32' or 'bf16', got {self.device_moments!r}")
 
     @property
     def lag(self) -> int:

@@ -152,6 +152,19 @@ def test_host_lr_scale() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(base, scaled))
 
 
+def test_bf16_device_moments() -> None:
+    """bf16 device moments: nothing on the device at rho 0 (S 1, overlap off: AdamW exactly); at rho 1 every column
+    is on the device and the weights follow AdamW to bf16 moment precision, not bit for bit."""
+    ours, adamw = _drive(Rule(ratio=0.0, interval=1, overlap=False, device_moments="bf16"), seed=2, other="adamw")
+    torch.testing.assert_close(ours, adamw)
+    exact: list[torch.Tensor] = []
+    rounded: list[torch.Tensor] = []
+    _drive(Rule(ratio=1.0, interval=3), seed=4, other=None, trajectory=exact)
+    _drive(Rule(ratio=1.0, interval=3, device_moments="bf16"), seed=4, other=None, trajectory=rounded)
+    assert any(not torch.equal(a, b) for a, b in zip(exact, rounded))
+    torch.testing.assert_close(rounded[-1], exact[-1], rtol=0.0, atol=1e-2)
+
+
 def test_variants_change_the_numbers() -> None:
     """Each knob changes the weights the model shows away from the degenerate cases (a knob that silently did nothing
     would pass the tests above)."""
