@@ -63,6 +63,9 @@ class Rule:
     """Windows that close at a step t <= overlap_after land at once (overlap off), later ones as ``lag`` says."""
     matched_beta1: bool = False
     """Only β1 matched: the host update of an n-step window uses (β1ⁿ, β2)."""
+    warm_up_score: bool = False
+    """With ``score="window"``: the warm-up's steps add to the score too, so the first selection ranks columns by
+    their squared gradient summed over the warm-up and the selection step."""
     device_moments: str = "fp32"
     """``"bf16"``: the device's moments are rounded to bfloat16 after every device update (half their bytes)."""
     host_lr_scale: float = 1.0
@@ -206,6 +209,11 @@ class RuleOptimizer:
         grads = [None if m.param.grad is None else m.param.grad.detach().float().reshape(m.master.shape)
                  for m in self.matrices]  # fmt: skip
         if self.t <= rule.warm_up:
+            if rule.warm_up_score and rule.score == "window":
+                for matrix, grad in zip(self.matrices, grads):
+                    if grad is not None:
+                        now = (grad * grad).sum(dim=0)
+                        matrix.score_acc = now if matrix.score_acc is None else matrix.score_acc + now
             for matrix, grad in zip(self.matrices, grads):
                 if grad is not None:  # warm-up: every element, synchronous, both counts +1
                     matrix.host_count += 1

@@ -92,6 +92,18 @@ ROWS = (
         Rule(warm_up=10, ratio=0.3, device_moments="bf16"),
         "rho 0.3 with bf16 device moments and no master: the device bytes of rho 0.1",
     ),
+    Row(
+        "warm-up-10+warm-up-score",
+        Rule(warm_up=10, score="window", warm_up_score=True),
+        "warm-up 10; the one selection ranks by the squared gradient summed over the warm-up",
+    ),
+    Row(
+        "warm-up-10+warm-up-score+refresh-window",
+        Rule(warm_up=10, score="window", warm_up_score=True, refresh="window"),
+        "and re-selected at every window end by the window's summed score",
+    ),
+    Row("warm-up-10+S=2", Rule(warm_up=10, interval=2), "warm-up 10, window of 2"),
+    Row("warm-up-10+S=8", Rule(warm_up=10, interval=8), "warm-up 10, window of 8"),
     Row("warm-up-10+no-overlap", Rule(warm_up=10, overlap=False), "warm-up 10, overlap off (for reference)"),
     Row("warm-up-10+land-1", Rule(warm_up=10, land_after=1), "warm-up 10, lands 1 step after its window"),
     Row(

@@ -113,6 +113,7 @@ VARIANTS = {
     "land-after": {"land_after": 1, "extrapolate": True},
     "matched-betas": {"matched_betas": True, "refresh": "window"},
     "matched-beta1": {"matched_beta1": True},
+    "warm-up-score": {"score": "window", "warm_up_score": True, "warm_up": 2},
     "overlap-after": {"overlap_after": 4, "refresh": "window"},
 }
 
@@ -150,6 +151,18 @@ def test_host_lr_scale() -> None:
     _drive(Rule(ratio=0.3, interval=3), seed=4, other=None, trajectory=base)
     _drive(Rule(ratio=0.3, interval=3, host_lr_scale=2.0), seed=4, other=None, trajectory=scaled)
     assert any(not torch.equal(a, b) for a, b in zip(base, scaled))
+
+
+def test_warm_up_score_changes_the_first_selection_only_through_the_score() -> None:
+    """The same warm-up with and without the warm-up's steps in the score: the weights differ (the first selection
+    ranks by a different score), so the knob is not silently ignored."""
+    plain: list[torch.Tensor] = []
+    scored: list[torch.Tensor] = []
+    _drive(Rule(ratio=0.3, interval=3, warm_up=2, score="window"), seed=5, other=None, trajectory=plain)
+    _drive(Rule(ratio=0.3, interval=3, warm_up=2, score="window", warm_up_score=True), seed=5, other=None,
+           trajectory=scored)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(plain[:2], scored[:2]))  # the warm-up itself is the same
+    assert any(not torch.equal(a, b) for a, b in zip(plain, scored))
 
 
 def test_bf16_device_moments() -> None:
