@@ -412,6 +412,25 @@ def test_auto_update_interval_grows_for_a_host_heavy_workload(monkeypatch):
     assert engine.update_interval == chosen
 
 
+def test_auto_interval_with_the_default_warm_up_decides_during_the_warm_up() -> None:
+    """With the default warm-up (10 synchronous steps, each a host update of every element), "auto" is decided once
+    the first warm-up update has landed, and the windows after the warm-up use the chosen S from its end."""
+    weight = torch.nn.Parameter(torch.zeros(2048, 1024))
+    weight.grad = torch.randn_like(weight)
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    config = ZenFlowConfig(topk_ratio=0.0, update_interval="auto")
+    assert config.full_warm_up_rounds == 10
+    with ZenFlowEngine(optimizer, config, host_delay_s=0.04) as engine:
+        stats = [engine.step() for _ in range(10 + 2 * 64)]
+    chosen = engine.update_interval
+    assert isinstance(chosen, int)
+    assert 1 <= chosen <= 64
+    assert all(s.window_end for s in stats[:10])  # every warm-up step is a window of one
+    assert all(s.update_interval == chosen for s in stats[9:])  # decided within the warm-up
+    assert chosen > 1, "a 40 ms host update against a sub-millisecond step needs a window of several steps"
+    assert [s.step for s in stats[10:] if s.window_end][:2] == [10 + chosen, 10 + 2 * chosen]
+
+
 # ------------------------------------------------------------------------------ fixed S and core binding
 def test_fixed_update_interval_is_reported_and_bind_cores_off_leaves_affinity():
     affinity_before = os.sched_getaffinity(0)
