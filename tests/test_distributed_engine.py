@@ -84,6 +84,17 @@ def test_sharded_host_state_equals_one_rank(runs: Runs, mode: str, world: int) -
         assert_equal_dicts(result["weights"], ranks[0]["weights"])  # replicas: bit for bit
 
 
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_sharded_warm_up_equals_one_rank(runs: Runs, mode: str) -> None:
+    """The default's warm-up (synchronous full updates of every rank's rows, landed on every rank) then the rule:
+    two ranks hold what one rank holds."""
+    config = {**BASE, "accumulate_on": mode, "full_warm_up_rounds": 3}
+    one = runs.get(config, 1)[0]
+    for result in runs.get(config, 2):
+        assert_close_dicts(result["weights"], one["weights"])
+    assert_close_torch_state(runs.get(config, 2)[0]["torch_state"], one["torch_state"])
+
+
 def test_host_and_link_bytes_per_rank_shrink_with_the_ranks(runs: Runs) -> None:
     config = {**BASE, "accumulate_on": "host"}
     one = runs.get(config, 1)[0]
