@@ -22,6 +22,7 @@ shows for the unselected columns. Each candidate change is a knob of ``Rule`` wh
   prediction of where the pending update will put the weights); sync, refresh and flush show the plain master;
 - ``matched_beta1``: only β1 matched (β1ⁿ, β2);
 - ``host_lr_scale``: the host update's learning rate times this factor (a longer host step for a window of S steps);
+- ``window_decay``: the host update of an n-step window uses ``n × weight_decay``;
 - ``device_moments``: ``"bf16"`` rounds the device's moments to bfloat16 after every device update (a compact
   device state: more columns in the same bytes);
 - ``overlap_after``: windows that close at steps ``t <= overlap_after`` land at once (overlap off), later ones with
@@ -66,6 +67,9 @@ class Rule:
     warm_up_score: bool = False
     """With ``score="window"``: the warm-up's steps add to the score too, so the first selection ranks columns by
     their squared gradient summed over the warm-up and the selection step."""
+    window_decay: bool = False
+    """The host update of an n-step window decays the weights n times as much (``weight_decay × n``): AdamW's decay
+    per step, where the paper's rule applies one step's decay per window."""
     device_moments: str = "fp32"
     """``"bf16"``: the device's moments are rounded to bfloat16 after every device update (half their bytes)."""
     host_lr_scale: float = 1.0
@@ -271,6 +275,8 @@ class RuleOptimizer:
             if cols.any() and matrix.window_grads > 0:
                 matrix.host_count += 1
                 group = groups[matrix.group]
+                if self.rule.window_decay:
+                    group = {**group, "weight_decay": group["weight_decay"] * matrix.window_grads}
                 if self.rule.host_lr_scale != 1.0:
                     group = {**group, "lr": group["lr"] * self.rule.host_lr_scale}
                 if self.rule.matched_beta1:

@@ -113,6 +113,7 @@ VARIANTS = {
     "land-after": {"land_after": 1, "extrapolate": True},
     "matched-betas": {"matched_betas": True, "refresh": "window"},
     "matched-beta1": {"matched_beta1": True},
+    "window-decay": {"window_decay": True},
     "warm-up-score": {"score": "window", "warm_up_score": True, "warm_up": 2},
     "overlap-after": {"overlap_after": 4, "refresh": "window"},
 }
