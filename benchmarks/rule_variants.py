@@ -103,6 +103,11 @@ ROWS = (
         "and re-selected at every window end by the window's summed score",
     ),
     Row("warm-up-10+window-decay", Rule(warm_up=10, window_decay=True), "warm-up 10; host decay x n per n-step window"),
+    Row(
+        "warm-up-10+refresh-sync-16",
+        Rule(warm_up=10, refresh="sync", refresh_interval=16),
+        "warm-up 10 + the paper's refresh every 16 steps",
+    ),
     Row("warm-up-10+S=2", Rule(warm_up=10, interval=2), "warm-up 10, window of 2"),
     Row("warm-up-10+S=8", Rule(warm_up=10, interval=8), "warm-up 10, window of 8"),
     Row("warm-up-10+no-overlap", Rule(warm_up=10, overlap=False), "warm-up 10, overlap off (for reference)"),
