@@ -174,23 +174,9 @@ def _assert_moved(result: Result, at_least: float) -> None:
 
 
 # ------------------------------------------------------------------------------------ numbers: CUDA against CPU
+_REFRESH_EVERY_WINDOW = {"topk_ratio": 0.1, "update_interval": 3, "select_strategy": "step", "select_interval": 3}
 CONFIGS = [
-    ZenFlowConfig(
-        full_warm_up_rounds=0,
-        topk_ratio=0.1,
-        update_interval=3,
-        select_strategy="step",
-        select_interval=3,
-        accumulate_on="device",
-    ),
-    ZenFlowConfig(
-        full_warm_up_rounds=0,
-        topk_ratio=0.1,
-        update_interval=3,
-        select_strategy="step",
-        select_interval=3,
-        accumulate_on="host",
-    ),
+    *(ZenFlowConfig(full_warm_up_rounds=0, accumulate_on=mode, **_REFRESH_EVERY_WINDOW) for mode in ("device", "host")),
     ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.5, update_interval=1, overlap_step=False),
     ZenFlowConfig(topk_ratio=0.0, update_interval=2, full_warm_up_rounds=2),
     ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0, update_interval=4),
