@@ -106,6 +106,11 @@ ABLATION_ROWS = (
     Row("land-after-1", {**PAPER, "land_after": 1}, "host update lands 1 step after its window, not a window later"),
     Row("land-after-2", {**PAPER, "land_after": 2}, "host update lands 2 steps after its window"),
     Row(
+        "overlap-after-16",
+        {**PAPER, "overlap_after": 16},
+        "no warm-up; windows closing at steps <= 16 land at once (4 host waits), later ones overlap",
+    ),
+    Row(
         "warm-up-10+refresh-16",
         {**PAPER, "full_warm_up_rounds": 10, "select_strategy": "step", "select_interval": 16},
         "the two knobs that helped, together",
@@ -589,7 +594,7 @@ def print_tables(summary: dict[str, dict[str, Any]], rows: list[Row]) -> None:
     print(bench_utils.format_table(headers, [line(row) for row in main], digits=4))
     ablations = [row for row in rows if row in ABLATION_ROWS and row.name in summary]
     if ablations:
-        print("\nAblations (the zenflow row with the change in the last column)")
+        print("\nAblations (the paper's rule with the change in the last column)")
         print(bench_utils.format_table([*headers, "change"], [[*line(r), r.what] for r in ablations], digits=4))
     names = [row.name for row in main]
     steps = summary[names[0]]["eval_steps"]

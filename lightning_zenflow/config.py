@@ -52,6 +52,11 @@ class ZenFlowConfig:
     ``update_interval``), not at the next window end (``None``, the paper's rule: L = S). A smaller L shortens the
     staleness and costs quality less, but the device waits whenever one host update takes longer than L steps."""
 
+    overlap_after: int = 0
+    """With ``overlap_step``: windows that close at an optimizer step <= this land at their own window end (the
+    device waits for them, as with ``overlap_step=False``); later ones overlap. A cheaper start than a warm-up: one
+    host wait per window instead of one synchronous step per step. 0: every window overlaps (the paper's rule)."""
+
     accumulate_on: Literal["auto", "device", "host"] = "auto"
     """Where the window's unselected gradient columns are summed. ``"device"``: an fp32 accumulator on the
     device, copied down once per window (least link traffic, no model-sized host work per step). ``"host"``:
@@ -136,6 +141,10 @@ class ZenFlowConfig:
             raise ValueError(f"full_warm_up_rounds={self.full_warm_up_rounds} must be >= 0 (0 turns warm-up off).")
         if not isinstance(self.overlap_step, bool):
             raise TypeError(f"overlap_step must be True or False, got {self.overlap_step!r}.")
+        if isinstance(self.overlap_after, bool) or not isinstance(self.overlap_after, int):
+            raise TypeError(f"overlap_after must be an int >= 0, got {self.overlap_after!r}.")
+        if self.overlap_after < 0:
+            raise ValueError(f"overlap_after={self.overlap_after} must be >= 0 (0: every window overlaps).")
         if self.land_after is not None:
             if isinstance(self.land_after, bool) or not isinstance(self.land_after, int) or self.land_after < 1:
                 raise ValueError(f"land_after={self.land_after!r} must be None (the next window end) or an int >= 1.")

@@ -317,7 +317,7 @@ class ReferenceZenFlow:
             self.sync()  # land_after: shown L steps after its window closed
         window_end = self.steps_in_window == self.interval
         if window_end:
-            self._close_window(hparams, apply_now=not self.config.overlap_step)
+            self._close_window(hparams, apply_now=not self.config.overlap_step or self.t <= self.config.overlap_after)
             if self.refresh_period is not None and self.t - self.t_select >= self.refresh_period:
                 self.sync()
                 changed = self._select(grads)

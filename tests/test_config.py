@@ -143,6 +143,16 @@ def test_full_warm_up_rounds_not_an_int(rounds):
     assert "full_warm_up_rounds must be an int >= 0" in str(error.value)
 
 
+def test_overlap_after():
+    assert ZenFlowConfig().overlap_after == 0
+    assert ZenFlowConfig(overlap_after=16).overlap_after == 16
+    with pytest.raises(ValueError, match="overlap_after=-1 must be >= 0"):
+        ZenFlowConfig(overlap_after=-1)
+    for value in (1.5, "16", True, None):
+        with pytest.raises(TypeError, match="overlap_after must be an int >= 0"):
+            ZenFlowConfig(overlap_after=value)
+
+
 @pytest.mark.parametrize("value", [1, 0, "yes", None])
 def test_overlap_step_must_be_bool(value):
     with pytest.raises(TypeError) as error:

@@ -82,6 +82,7 @@ class Case:
     importance: str
     optimizer: str  # "adam-mixed" or "adamw"
     land_after: int | None = None
+    overlap_after: int = 0
 
     @property
     def id(self) -> str:
@@ -89,6 +90,7 @@ class Case:
             f"rho{self.ratio}-S{self.interval}-W{self.warm_up}-{'overlap' if self.overlap else 'sync'}-"
             f"refresh{self.refresh}-{self.importance}-{self.optimizer}"
             + (f"-L{self.land_after}" if self.land_after is not None else "")
+            + (f"-after{self.overlap_after}" if self.overlap_after else "")
         )
 
     def config(self) -> ZenFlowConfig:
@@ -106,6 +108,7 @@ class Case:
             overlap_step=self.overlap,
             importance=self.importance,
             land_after=self.land_after,
+            overlap_after=self.overlap_after,
         )
 
     @property
@@ -302,6 +305,21 @@ LAND_AFTER_CASES = [
 def test_land_after_equals_reference(case: Case) -> None:
     """``land_after``: the host update lands L steps after its window closes, in the engine as in the reference
     (weights after every step, state after every flush, host work in flight after every step)."""
+    history, _ = _run_against_reference(case)
+    assert sum(stats.window_end for stats, _ in history) >= 3
+
+
+OVERLAP_AFTER_CASES = [
+    Case(0.5, 3, 0, True, "S", "l2", "adamw", overlap_after=6),  # windows ending at 3 and 6 land at once, then overlap
+    Case(0.1, 3, 2, True, "2S+1", "l1", "adam-mixed", overlap_after=7),  # after a warm-up; 7 is not a window end
+    Case(0.5, 3, 0, True, "S", "l2", "adamw", land_after=1, overlap_after=4),  # then one step after each window
+]
+
+
+@pytest.mark.parametrize("case", OVERLAP_AFTER_CASES, ids=[case.id for case in OVERLAP_AFTER_CASES])
+def test_overlap_after_equals_reference(case: Case) -> None:
+    """``overlap_after``: windows that close at steps up to it land at once, later ones overlap (with their lag), in
+    the engine as in the reference."""
     history, _ = _run_against_reference(case)
     assert sum(stats.window_end for stats, _ in history) >= 3
 

@@ -356,7 +356,8 @@ class ZenFlowEngine:
             self._timed_wait(self._land_pending)  # land_after: L steps after its window closed
         window_end = self.schedule.window_ends(plan)
         if window_end:
-            self._close_window(hparams, overlap=self.config.overlap_step and not plan.warm_up)
+            overlap = self.config.overlap_step and not plan.warm_up and plan.t > self.config.overlap_after
+            self._close_window(hparams, overlap=overlap)
             if not plan.warm_up and self.schedule.refresh_due():
                 self._refresh()
                 refreshed = True
