@@ -206,6 +206,18 @@ def host_needs(rule: Rule | None) -> str:
     return "; ".join(parts)
 
 
+def row_records(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
+    """Each row's rule, description and host requirement, as the JSON files record them."""
+    return {
+        row.name: {
+            "rule": None if row.rule is None else dataclasses.asdict(row.rule),
+            "what": row.what,
+            "host_needs": host_needs(row.rule),
+        }
+        for row in rows
+    }
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     reference = {run["seed"]: run["final_eval_loss"] for run in runs if run["row"] == "adamw"}
     rows: dict[str, dict[str, Any]] = {}
@@ -308,14 +320,7 @@ def merge(paths: Sequence[pathlib.Path], out: pathlib.Path) -> int:
             for path, payload in zip(paths, payloads)
         ],  # fmt: skip
         "settings": payloads[0]["settings"],
-        "rows": {
-            row.name: {
-                "rule": None if row.rule is None else dataclasses.asdict(row.rule),
-                "what": row.what,
-                "host_needs": host_needs(row.rule),
-            }
-            for row in rows
-        },  # fmt: skip
+        "rows": row_records(rows),
         "runs": ordered,
         "summary": summary,
     }
@@ -354,14 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "settings": {**{k: v for k, v in vars(args.fq).items() if not isinstance(v, pathlib.Path)}, "threads": threads},
         "base": base_record,
-        "rows": {
-            row.name: {
-                "rule": None if row.rule is None else dataclasses.asdict(row.rule),
-                "what": row.what,
-                "host_needs": host_needs(row.rule),
-            }
-            for row in rows
-        },  # fmt: skip
+        "rows": row_records(rows),
         "runs": runs,
     }
     context = multiprocessing.get_context("spawn")

@@ -180,6 +180,7 @@ CONFIGS = [
     ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.5, update_interval=1, overlap_step=False),
     ZenFlowConfig(topk_ratio=0.0, update_interval=2, full_warm_up_rounds=2),
     ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0, update_interval=4),
+    ZenFlowConfig(full_warm_up_rounds=2, topk_ratio=0.25, update_interval=2, overlap_after=6),  # then overlap
 ]
 
 
