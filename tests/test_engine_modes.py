@@ -179,18 +179,20 @@ def test_refresh_moves_only_the_columns_that_change_side():
 
 
 def test_auto_takes_the_device_when_it_fits_and_the_host_when_not(monkeypatch):
-    from lightning_zenflow.engine import streams
+    from lightning_zenflow.engine import lanes
 
     def run(free_bytes: int) -> ZenFlowEngine:
         layer = nn.Linear(32, 16)
         opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-        monkeypatch.setattr(streams.Lanes, "free_bytes", lambda self: free_bytes)
+        monkeypatch.setattr(lanes.Lanes, "free_bytes", lambda self: free_bytes)
         with ZenFlowEngine(opt, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25)) as engine:
             layer(torch.randn(2, 32)).sum().backward()
             engine.step()
             return engine.accumulate_on, engine.accumulate_on_reason
 
-    need = 16 * 32 * (4 + 4)
+    # fp32 accumulator + upload buffer, 8 B per element; the selected columns (k = 8 of 32): their state and gather
+    # buffer (16 B) and a migration's peak (24 B) per selected element, and 8 B of indices per column
+    need = 16 * 32 * (4 + 4) + (16 + 24) * 16 * 8 + 8 * 32
     assert run(10 * need) == (
         "device",
         f"accumulate_on='auto' chose 'device': the device buffers need "

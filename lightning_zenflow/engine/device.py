@@ -1,9 +1,9 @@
 """Selective AdamW on the device: the selected columns of every matrix and all device-only parameters.
 
-Whatever the model dtype, the device keeps an fp32 master copy of what it updates, fp32 moments and Python
-integer step counts (a bf16 model must not lose small updates to rounding, and a bf16 step counter stops
-at 256). The update is issued on the side stream (CUDA; inline on the CPU), ordered with events, so the
-training thread never waits for it on the host.
+Whatever the model dtype, the device keeps an fp32 master copy of what it updates, fp32 moments and exact
+step counts (a bf16 model must not lose small updates to rounding, and a bf16 step counter stops at 256). The
+update is issued on the side lane (a CUDA stream; a thread on the CPU), ordered with events, so the training
+thread never waits for it on the host.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_zenflow.engine.lanes import Event, Lanes
 from lightning_zenflow.engine.layout import GroupLayout, MatrixSlot
-from lightning_zenflow.engine.streams import Lanes
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,8 @@ class DeviceUpdater:
         self.lanes = lanes
         self.device = lanes.device
         self.update_done = lanes.event()
-        """Recorded on the side stream after each step's device work (update and accumulation)."""
-        self._timing_events: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
+        """Recorded on the side lane after each step's device work (update and accumulation)."""
+        self._timing_events: collections.deque[tuple[Event, Event]] = collections.deque()
         self.device_only: list[list[DeviceOnlyState]] = []
         for group in layout:
             states = []
@@ -187,64 +187,68 @@ class DeviceUpdater:
         return [state for group_states in self.selected for state in group_states]
 
     def begin_step(self) -> None:
-        """Order the side stream after the gradients: a GPU-side wait for backward and clipping, no host sync."""
-        self.lanes.wait_compute(self.lanes.side)
+        """Order the side lane after the gradients: a GPU-side wait for backward and clipping, no host sync."""
+        # side waits (GPU-side) for the compute lane's backward, clipping and all-reduce
+        self.lanes.side.wait_lane(self.lanes.compute)
 
     def end_step(self) -> None:
-        """Mark the end of this step's side-stream work; the compute stream waits for it (GPU-side) before the
-        next forward reads the weights or ``zero_grad`` touches the gradients the side stream reads."""
-        self.update_done.record(self.lanes.side)
-        self.lanes.compute_waits(self.update_done)
+        """Mark the end of this step's side-lane work; the compute lane waits for it (GPU-side) before the next
+        forward reads the weights or ``zero_grad`` touches the gradients the side lane reads."""
+        self.lanes.side.record(self.update_done)
+        # compute waits (GPU-side; on the CPU the training thread blocks) for the device update and accumulation
+        self.lanes.compute.wait(self.update_done)
 
     def update(self, hparams: Sequence[HyperParams], found_inf: torch.Tensor | None = None) -> None:
-        """One device step for every group: device-only parameters and the selected columns of matrices.
-
-        Reads ``param.grad``; issue inside ``lanes.on(lanes.side)``. ``found_inf``: see :func:`adam_update_`.
-        """
-        side = self.lanes.side
-        if side is not None:
-            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            timing[0].record(side)
+        """Issue one device step for every group on the side lane: device-only parameters and the selected columns
+        of matrices, with the gradients they have now. ``found_inf``: see :func:`adam_update_`."""
+        lanes, side = self.lanes, self.lanes.side
+        groups = []
         for group_index, hp in enumerate(hparams):
+            device_only = [(s, s.param.grad) for s in self.device_only[group_index] if s.param.grad is not None]
+            selected = [
+                (s, s.slot.param.grad) for s in self.selected[group_index] if s.k and s.slot.param.grad is not None
+            ]
+            for _, grad in (*device_only, *selected):
+                # made on the compute lane, read on the side lane: keep it alive past zero_grad
+                lanes.keep_for(grad, side)
+            for state, _ in selected:
+                if state.scratch is None or state.scratch.shape != state.master.shape:
+                    with lanes.allocating_on(side):
+                        state.scratch = torch.empty_like(state.master)
+            groups.append((hp, device_only, selected))
+        started, finished = lanes.event(timing=True), lanes.event(timing=True)
+        side.record(started)
+        side.run(self._update_groups, groups, found_inf)
+        side.record(finished)
+        self._timing_events.append((started, finished))
+
+    @classmethod
+    def _update_groups(cls, groups: Sequence, found_inf: torch.Tensor | None) -> None:
+        """Side lane: the fused AdamW step of every group, then the masters cast back into the weights."""
+        for hp, device_only, selected in groups:
             masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for state in self.device_only[group_index]:
-                if state.param.grad is None:
-                    continue
-                grad = state.param.grad
-                # made on the compute stream, read on the side stream: keep it alive past zero_grad
-                self.lanes.keep_for(grad, side)
+            for state, grad in device_only:
                 masters.append(state.master)
                 grads.append(grad.float())
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
                 steps.append(state.step_count)
-            selected_states = []
-            for state in self.selected[group_index]:
-                if state.k == 0 or state.slot.param.grad is None:
-                    continue
-                grad = state.slot.param.grad
-                self.lanes.keep_for(grad, side)
+            for state, grad in selected:
                 masters.append(state.master)
-                grads.append(self._gather_selected(state, grad.view(state.slot.rows, state.slot.cols)))
+                grads.append(cls._gather_selected(state, grad.view(state.slot.rows, state.slot.cols)))
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
                 steps.append(state.step_count)
-                selected_states.append(state)
             adam_update_(masters, grads, exp_avgs, exp_avg_sqs, steps, hp, found_inf)
-            for state in self.device_only[group_index]:
+            for state, _ in device_only:
                 if state.separate_master:
                     state.param.data.copy_(state.master)
-            for state in selected_states:
-                self.write_selected(state)
-        if side is not None:
-            timing[1].record(side)
-            self._timing_events.append(timing)
+            for state, _ in selected:
+                cls.write_selected(state)
 
     @staticmethod
     def _gather_selected(state: SelectedState, grad2d: torch.Tensor) -> torch.Tensor:
         """The selected columns of a gradient, in fp32, in the state's reused buffer."""
-        if state.scratch is None or state.scratch.shape != state.master.shape:
-            state.scratch = torch.empty_like(state.master)
         if grad2d.dtype == torch.float32:
             torch.index_select(grad2d, 1, state.selected, out=state.scratch)
         else:
@@ -252,17 +256,18 @@ class DeviceUpdater:
         return state.scratch
 
     def finished_update_seconds(self) -> float | None:
-        """Duration of the newest device update that has finished (CUDA events, queried without waiting)."""
+        """Duration of the newest device update that has finished (timing events, queried without waiting)."""
         latest = None
         while self._timing_events and self._timing_events[0][1].query():
             start, end = self._timing_events.popleft()
-            latest = start.elapsed_time(end) / 1000.0
+            latest = start.elapsed_s(end)
         while len(self._timing_events) > 16:
             self._timing_events.popleft()  # bound the queue if nobody asks for a while
         return latest
 
-    def write_selected(self, state: SelectedState) -> None:
-        """Copy the fp32 master of the selected columns into the model weights (cast to the model dtype)."""
+    @staticmethod
+    def write_selected(state: SelectedState) -> None:
+        """Lane work: copy the fp32 master of the selected columns into the model weights (cast to the model dtype)."""
         if state.k == 0:
             return
         param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)

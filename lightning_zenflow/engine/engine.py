@@ -7,7 +7,7 @@ are read at every step (so LR schedulers work unchanged).
 
 The exact rule is written in ``docs/update_rule.md``, the cost of each stage in ``docs/performance.md``.
 The :class:`~lightning_zenflow.engine.schedule.Schedule` says what happens at each step; this class does it.
-CPU and CUDA run the same code: only :class:`~lightning_zenflow.engine.streams.Lanes` differs.
+CPU and CUDA run the same code: only :class:`~lightning_zenflow.engine.lanes.Lanes` differs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine import state as engine_state
 from lightning_zenflow.engine.device import DeviceUpdater, HyperParams
 from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec
-from lightning_zenflow.engine.layout import GroupHostBuffers, allocate_host_buffers, build_layout
+from lightning_zenflow.engine.lanes import Lanes
+from lightning_zenflow.engine.layout import (
+    ROW_GRAD_ACC,
+    ROW_MASTER,
+    GroupHostBuffers,
+    allocate_host_buffers,
+    build_layout,
+)
 from lightning_zenflow.engine.migrate import migrate
 from lightning_zenflow.engine.preflight import check_host_resources
 from lightning_zenflow.engine.ranks import Ranks
@@ -39,13 +46,13 @@ from lightning_zenflow.engine.schedule import (
     choose_update_interval,
 )
 from lightning_zenflow.engine.selection import SelectionDiagnostics, column_scores, diagnose, top_columns
-from lightning_zenflow.engine.streams import Lanes
 from lightning_zenflow.engine.transfer import (
     STAGING_SLOT_BYTES,
     DeviceAccumulation,
     Helper,
     HostAccumulation,
     Uploads,
+    copy_all,
 )
 
 __all__ = [
@@ -84,6 +91,10 @@ class StepStats:
     selection_captured: float | None = None
     accumulate_on: str | None = None
     """The accumulation mode in use (``"device"`` or ``"host"``; decided at the first step under ``"auto"``)."""
+    host_syncs: int = 0
+    """Times the training thread blocked on device work since the previous step (event or lane synchronisation, a
+    device-to-host read): 0 at steady-state device-mode steps; selections, checkpoints and the ``"auto"`` choices
+    wait by design."""
 
 
 class ZenFlowEngine:
@@ -96,7 +107,7 @@ class ZenFlowEngine:
         steps_per_epoch: optimizer steps per epoch, needed by ``select_strategy="epoch"`` / ``"auto"``.
         host_delay_s: test hook, the host worker sleeps this long before each update.
         host_fail_at: test hook, the host worker raises at this update (1-based).
-        stage_delays: test hook, ``{stage: seconds}`` delays each asynchronous stage (see ``engine/streams.py``).
+        stage_delays: test hook, ``{stage: seconds}`` delays each asynchronous stage (see ``engine/lanes.py``).
         ranks: the data-parallel ranks (``engine/ranks.py``); the host state is sharded across them by rows. The
             gradients must be the same on every rank (all-reduced) when :meth:`step` is called.
     """
@@ -150,6 +161,7 @@ class ZenFlowEngine:
         self._last_step_end: float | None = None
         self._stall_at_last_end = 0.0
         self._stall_at_last_stats = 0.0
+        self._syncs_at_last_stats = 0
         self._last_host_s: float | None = None
         self._diagnostics: SelectionDiagnostics | None = None
         self._refresh_bytes = [0, 0]
@@ -173,15 +185,18 @@ class ZenFlowEngine:
         self.unselected_shared = [
             torch.zeros(sum(s.cols for s in g.matrices), dtype=torch.long).share_memory_() for g in self.layout
         ]
-        self._pinned: list[torch.Tensor] = []
+        self._pinned: list[tuple[torch.Tensor, int]] = []
+        """(block, address) of every registered span: the block keeps its pages mapped until unregistered."""
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
         self.helper = Helper(self.lanes)
         # per matrix (layout order): gradients the open window kept (16-mixed skips an overflowed one on the
         # device, unknown to the host); copied down with the window, they are the worker's mean divisors
         n_matrices = sum(len(g.matrices) for g in self.layout)
         self._kept_device = torch.zeros(n_matrices, dtype=torch.float32, device=self.device)
+        # per accumulator slot: the counts of the window that closed in it, and the event of their copy down
         self._kept_host = [self.lanes.empty_host(n_matrices, torch.float32) for _ in range(2)]
         self._kept_copied = [self.lanes.event() for _ in range(2)]
+        self._present_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._worker: HostWorker | None = None
         self._started = True
         try:
@@ -190,7 +205,7 @@ class ZenFlowEngine:
             if self.needs_host():
                 self._start_worker()
         except BaseException:
-            self.close()
+            self.close(quiet=True)
             raise
         return self
 
@@ -205,20 +220,30 @@ class ZenFlowEngine:
         )
 
     def _pin_host_buffers(self) -> None:
-        # register the shared pages in place (cudaHostRegister); pin_memory() would copy them out of shared memory
+        """Register in place (cudaHostRegister) the rows of the shared blocks that asynchronous copies touch: the
+        two accumulator rows (copies down, staged uploads, a selection's staging), and the master row of a group
+        with an fp32 matrix (its weights go up from the master). ``pin_memory()`` would copy them out of shared
+        memory; the moments are never copied asynchronously, so 8 B of the 20 B per element are pinned (12 with
+        fp32 weights), which also shortens the registration at start-up."""
         cudart = torch.cuda.cudart()
-        for host in self.host_buffers:
+        for group, host in zip(self.layout, self.host_buffers):
             tensor = host.block_shared
             if tensor.numel() == 0:
                 continue
-            code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 1)  # 1: cudaHostRegisterPortable
-            if int(code) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister failed with code {int(code)} for {tensor.nbytes} bytes of host state. Pinning "
-                    "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
-                    "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
-                )
-            self._pinned.append(tensor)
+            row_bytes = tensor.shape[1] * tensor.element_size()
+            spans = [(ROW_GRAD_ACC * row_bytes, 2 * row_bytes)]
+            if any(slot.param.dtype == torch.float32 for slot in group.matrices):
+                spans.append((ROW_MASTER * row_bytes, row_bytes))
+            for start, nbytes in spans:
+                pointer = tensor.data_ptr() + start
+                code = cudart.cudaHostRegister(pointer, nbytes, 1)  # 1: cudaHostRegisterPortable
+                if int(code) != 0:
+                    raise RuntimeError(
+                        f"cudaHostRegister failed with code {int(code)} for {nbytes} bytes of host state. Pinning "
+                        "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
+                        "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
+                    )
+                self._pinned.append((tensor, pointer))
 
     def _start_worker(self) -> None:
         train_cores, host_cores = self.config.core_split(self._own_cores())
@@ -265,8 +290,11 @@ class ZenFlowEngine:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
-        """Stop the worker, unpin and drop the buffers, restore the process's cores. Idempotent; safe on error."""
+    def close(self, quiet: bool = False) -> None:
+        """Stop the worker, unpin and drop the buffers, restore the process's cores. Idempotent; safe on error.
+
+        ``quiet`` (failure paths): an error of the device or of a lane is not raised again while closing, so it
+        cannot hide the error being handled; everything is still released."""
         if self._closed:
             return
         self._closed = True
@@ -278,24 +306,26 @@ class ZenFlowEngine:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        # the side stream may still read pinned pages or write weights: wait for it before releasing anything
-        self.lanes.synchronize()
-        if self._pinned:
-            cudart = torch.cuda.cudart()
-            for tensor in self._pinned:
-                cudart.cudaHostUnregister(tensor.data_ptr())
-            self._pinned = []
-        if self._saved_affinity is not None:
-            os.sched_setaffinity(0, self._saved_affinity)
-            self._saved_affinity = None
-        if self._saved_threads is not None:
-            torch.set_num_threads(self._saved_threads)
-            self._saved_threads = None
-        # drop every reference to the shared blocks so their pages are unmapped now, not at garbage collection
-        self.host_buffers = []
-        self.unselected_shared = []
-        self.accumulation = None
-        self.uploads = None
+        try:
+            # the lanes may still read pinned pages or write weights: wait for them before releasing anything
+            self.lanes.close(quiet=quiet)
+        finally:
+            if self._pinned:
+                cudart = torch.cuda.cudart()
+                for _, pointer in self._pinned:
+                    cudart.cudaHostUnregister(pointer)
+                self._pinned = []
+            if self._saved_affinity is not None:
+                os.sched_setaffinity(0, self._saved_affinity)
+                self._saved_affinity = None
+            if self._saved_threads is not None:
+                torch.set_num_threads(self._saved_threads)
+                self._saved_threads = None
+            # drop every reference to the shared blocks so their pages are unmapped now, not at garbage collection
+            self.host_buffers = []
+            self.unselected_shared = []
+            self.accumulation = None
+            self.uploads = None
 
     def __enter__(self) -> ZenFlowEngine:
         return self.start()
@@ -313,6 +343,7 @@ class ZenFlowEngine:
         """
         self._require_started()
         self.helper.raise_failures()
+        self.lanes.raise_failures()
         if self.accumulation is None:
             self._choose_accumulation()
         d2h_before, h2d_before = self._link_bytes()
@@ -327,28 +358,26 @@ class ZenFlowEngine:
             self._select_and_migrate()
             refreshed = True
         updater = self.device_updater
-        updater.begin_step()
-        device_started = time.perf_counter()
         states = updater.matrix_states()
         if found_inf is not None:
+            # on the compute lane, before the side lane's wait below orders it after everything issued there
             found_inf = found_inf.reshape(()).to(device=self.device, dtype=torch.float32)
-        with self.lanes.on(self.lanes.side, "side"), torch.profiler.record_function("zenflow.device_update"):
+        updater.begin_step()
+        with torch.profiler.record_function("zenflow.device_update"):
             updater.update(hparams, found_inf)
             if plan.warm_up:
                 # a warm-up step updates every column: it counts as an update on both sides
-                for state in states:
-                    if state.slot.param.grad is not None:
-                        state.step_count.add_(1.0 if found_inf is None else 1.0 - found_inf)
+                counts = [state.step_count for state in states if state.slot.param.grad is not None]
+                self.lanes.side.run(_count_updates, counts, found_inf)
             self._count_kept(states, plan.first_in_window, found_inf)
         with torch.profiler.record_function("zenflow.accumulate"):
             stalled_before = self._accumulation_stall()
-            with self.lanes.on(self.lanes.side):
-                self.accumulation.add(
-                    states, self.schedule.slot, plan.first_in_window, self.helper, self.uploads.source_read
-                )
+            self.accumulation.add(
+                states, self.schedule.slot, plan.first_in_window, self.helper, self.uploads.source_read
+            )
             self._stall_s += self._accumulation_stall() - stalled_before
         updater.end_step()
-        device_s = updater.finished_update_seconds() if self.lanes.is_cuda else time.perf_counter() - device_started
+        device_s = updater.finished_update_seconds()
         self.schedule.add_gradients([[slot.param.grad is not None for slot in group.matrices] for group in self.layout])
         self._poll_pending()
         pending = self.schedule.pending
@@ -364,6 +393,7 @@ class ZenFlowEngine:
         self._record_step_interval()
         d2h_after, h2d_after = self._link_bytes()
         stall_at_stats = self._stall_s
+        syncs_at_stats = self.lanes.host_syncs
         self.last_stats = StepStats(
             step=plan.t,
             stall_s=self._stall_s - self._stall_at_last_stats,
@@ -379,17 +409,19 @@ class ZenFlowEngine:
             selection_overlap=self._diagnostics.overlap if self._diagnostics else None,
             selection_captured=self._diagnostics.captured_share if self._diagnostics else None,
             accumulate_on=self.accumulation.mode,
+            host_syncs=syncs_at_stats - self._syncs_at_last_stats,
         )
         self._stall_at_last_stats = stall_at_stats
+        self._syncs_at_last_stats = syncs_at_stats
         return self.last_stats
 
     def read_hparams(self) -> list[HyperParams]:
         return [HyperParams.from_group(g, self._decoupled_default) for g in self.optimizer.param_groups]
 
     def wait_for_update(self) -> None:
-        """Before the next forward: make the compute stream wait (GPU-side, no host sync) for the device update."""
+        """Before the next forward: the compute lane waits (GPU-side, no host sync) for the device update."""
         if self._started and not self._closed:
-            self.lanes.compute_waits(self.device_updater.update_done)
+            self.lanes.compute.wait(self.device_updater.update_done)
 
     def sync(self) -> None:
         """Apply the host update in flight, if any, so the model holds every finished update. Leaves the open
@@ -412,6 +444,7 @@ class ZenFlowEngine:
         backward has allocated the gradients)."""
         slots = [s for g in self.layout for s in g.matrices if self._may_go_to_host(s)]
         need = sum(s.host_numel * (4 + s.param.element_size()) for s in slots)  # fp32 accumulator + upload buffer
+        need += self._selection_device_bytes()
         mode = self.config.accumulate_on
         if mode == "auto":
             free = self.lanes.free_bytes()
@@ -438,6 +471,23 @@ class ZenFlowEngine:
             self._restore_window_sums(self._restored_window_sums)
             self._restored_window_sums = None
 
+    def _selection_device_bytes(self) -> int:
+        """Device bytes the selected columns still need beyond what is held now: their fp32 master, two moments and
+        gather buffer (16 B per selected element) and indices (8 B per column), plus the peak of a migration (the
+        arriving columns and the old state beside the new one: 24 B per selected element; 12 more under data
+        parallel, where the entering columns' rows from every rank meet in one buffer)."""
+        transient = 36 if self.ranks.sharded else 24
+        total = 0
+        for group in self.layout:
+            for slot in group.matrices:
+                k = num_selected_columns(slot.cols, self.config.topk_ratio)
+                total += (16 + transient) * slot.rows * k + 8 * slot.cols
+        held = sum(
+            4 * state.master.nbytes + state.selected.nbytes + state.unselected.nbytes
+            for state in self.device_updater.matrix_states()
+        )
+        return max(0, total - held)
+
     def _may_go_to_host(self, slot) -> bool:
         return (
             self.config.full_warm_up_rounds > 0 or num_selected_columns(slot.cols, self.config.topk_ratio) < slot.cols
@@ -453,26 +503,36 @@ class ZenFlowEngine:
 
     # ------------------------------------------------------------------------------------------------ windows
     def _count_kept(self, states, first_in_window: bool, found_inf: torch.Tensor | None) -> None:
-        """Side stream: count this step's gradients into the window's kept counts (an overflowed 16-mixed step
+        """Side lane: count this step's gradients into the window's kept counts (an overflowed 16-mixed step
         counts nothing) and, under 16-mixed, zero the host-bound gradients of an overflowed step in place."""
+        lanes = self.lanes
         if first_in_window:
-            # the last window's counts must have been copied down before they are overwritten (GPU-side wait)
-            Lanes.stream_waits(self.lanes.side, self._kept_copied[self.schedule.slot])
-            self._kept_device.zero_()
-        present = [i for i, state in enumerate(states) if state.slot.param.grad is not None]
-        keep = 1.0 if found_inf is None else 1.0 - found_inf
-        if len(present) == len(states):
-            self._kept_device.add_(keep)
-        elif present:
-            index = torch.tensor(present, device=self.device)
-            self._kept_device.index_add_(0, index, torch.ones(len(present), device=self.device) * keep)
+            # side waits (GPU-side) for the copy down of the counts of the window that just closed before it zeroes
+            # them: the event of that window, not of the one before it
+            lanes.side.wait(self._closed_window_counts_copied())
+        present = tuple(i for i, state in enumerate(states) if state.slot.param.grad is not None)
+        index = None
+        if present and len(present) < len(states):
+            index = self._present_index.get(present)
+            if index is None:
+                # once per pattern of missing gradients (a small upload, a sync on CUDA), then reused every step
+                index = torch.tensor(present, dtype=torch.long, device=self.device)
+                if len(self._present_index) < 64:
+                    self._present_index[present] = index
+        overflow_masked = []
         if found_inf is not None:
-            flag = found_inf.bool()
             for state in states:
                 grad = state.slot.param.grad
                 if grad is not None and state.k < state.slot.cols:
-                    # one pass over the gradient, 16-mixed only: an overflowed step must add zeros, not inf/NaN
-                    grad.masked_fill_(flag, 0.0)
+                    overflow_masked.append(grad)
+        lanes.side.run(
+            _count_kept, self._kept_device, first_in_window, bool(present), index, found_inf, overflow_masked
+        )
+
+    def _closed_window_counts_copied(self):
+        """The event of the last closed window's kept-count copy down (its slot is the other one: the open window's
+        slot flipped when it closed)."""
+        return self._kept_copied[self.schedule.slot ^ 1]
 
     def _close_window(self, hparams: list[HyperParams], overlap: bool) -> None:
         slot = self.schedule.slot
@@ -484,12 +544,10 @@ class ZenFlowEngine:
         if any(active):
             ready = self.accumulation.finish_window(slot, active, self.uploads.source_read)
             lanes = self.lanes
-            # the window's kept counts go down on the d2h stream after the side stream's last count (GPU-side)
-            if lanes.d2h is not None:
-                lanes.d2h.wait_stream(lanes.side)
-            with lanes.on(lanes.d2h):
-                self._kept_host[slot].copy_(self._kept_device, non_blocking=lanes.is_cuda)
-                self._kept_copied[slot].record(lanes.d2h)
+            # d2h waits (GPU-side) for the side lane's last count of this window before its counts go down
+            lanes.d2h.wait_lane(lanes.side)
+            lanes.d2h.run(copy_all, [(self._kept_host[slot], self._kept_device)], lanes.is_cuda)
+            lanes.d2h.record(self._kept_copied[slot])
             # after this window's adds on the helper thread (host mode), once its copy down has landed (device
             # mode) and the last upload has read the host master (the worker rewrites it)
             self._launch_future = self.helper.submit(self._launch, slot, jobs, ready)
@@ -506,10 +564,10 @@ class ZenFlowEngine:
         if self._worker is None:
             raise RuntimeError("internal error: host work was scheduled but no host worker is running.")
         # helper-thread waits: the accumulator and the kept counts have landed; the last upload has read its
-        # host source
-        ready.synchronize()
-        self._kept_copied[slot].synchronize()
-        self.uploads.source_read.synchronize()
+        # host source (the worker rewrites the master, and a model that is not fp32 stages its weights in the slot)
+        ready.wait_here()
+        self._kept_copied[slot].wait_here()
+        self.uploads.source_read.wait_here()
         kept = self._kept_host[slot].tolist()
         first = 0
         with_divisors = []
@@ -643,26 +701,25 @@ class ZenFlowEngine:
         with torch.profiler.record_function("zenflow.select"):
             states = self.device_updater.matrix_states()
             previous = [state.selected_host for state in states] if self.schedule.last_select_t is not None else None
-            self.lanes.wait_compute(self.lanes.side)
-            with self.lanes.on(self.lanes.side):
-                indices, scores = [], []
-                for state in states:
-                    grad = state.slot.param.grad
-                    k = num_selected_columns(state.slot.cols, self.config.topk_ratio)
-                    if grad is None:
-                        score = torch.zeros(state.slot.cols, device=self.device)
-                    else:
-                        score = column_scores(grad.view(state.slot.rows, state.slot.cols), self.config.importance)
-                    indices.append(top_columns(score, k))
-                    scores.append(score)
-                # data parallel: rank 0's choice everywhere (equal gradients, but ties must not split the ranks)
-                flat_device = torch.cat(indices) if indices else torch.empty(0, dtype=torch.long, device=self.device)
-                self.ranks.broadcast_(flat_device)
-                # one host read each for all matrices: a device sync, at a refresh only
-                flat_indices = flat_device.cpu()
-                flat_scores = torch.cat(scores).cpu() if scores else torch.empty(0)
-            new_selected = list(torch.split(flat_indices, [int(i.numel()) for i in indices]))
-            scores_host = list(torch.split(flat_scores, [int(s.numel()) for s in scores]))
+            lanes = self.lanes
+            work = []
+            for state in states:
+                grad = state.slot.param.grad
+                grad2d = None if grad is None else grad.view(state.slot.rows, state.slot.cols)
+                work.append((grad2d, state.slot.cols, num_selected_columns(state.slot.cols, self.config.topk_ratio)))
+            k_sizes = [k for _, _, k in work]
+            col_sizes = [cols for _, cols, _ in work]
+            box: dict[str, torch.Tensor] = {}
+            # side waits (GPU-side) for the compute lane's gradients
+            lanes.side.wait_lane(lanes.compute)
+            lanes.side.run(_score_and_choose, box, work, self.config.importance, self.device)
+            # data parallel: rank 0's choice everywhere (equal gradients, but ties must not split the ranks)
+            lanes.collective(lanes.side, lambda: self.ranks.broadcast_(box["indices"]))
+            # one host read each for all matrices: a device sync, at a selection only
+            flat_indices = lanes.read(lanes.side, lambda: box["indices"])
+            flat_scores = lanes.read(lanes.side, lambda: box["scores"])
+            new_selected = list(torch.split(flat_indices, k_sizes))
+            scores_host = list(torch.split(flat_scores, col_sizes))
             moved = migrate(self.lanes, self.device_updater, self.host_buffers, new_selected, self.ranks)
             self._refresh_bytes[0] += moved.d2h_bytes
             self._refresh_bytes[1] += moved.h2d_bytes
@@ -784,7 +841,9 @@ class ZenFlowEngine:
         for state in self.device_updater.matrix_states():
             slot = state.slot
             if slot.name in sums:
-                value = sums[slot.name].float()
+                # on the CPU until the accumulation mode is chosen (a sharded checkpoint's blocks may arrive on the
+                # device; host accumulation indexes them with CPU indices)
+                value = sums[slot.name].detach().float().cpu()
                 by_rows[slot.name] = value.reshape(slot.host_rows, slot.cols) if row_blocks else slot.own(value)
         if self.accumulation is None:
             self._restored_window_sums = by_rows
@@ -839,6 +898,47 @@ class ZenFlowEngine:
 
     def is_fresh(self) -> bool:
         return self.schedule.t == 0 and self.schedule.pending is None and self.schedule.steps_in_window == 0
+
+
+def _score_and_choose(box: dict, work: list, importance: str, device: torch.device) -> None:
+    """Side lane: every matrix's column scores and top-k columns, concatenated (``box["scores"]``, ``["indices"]``)."""
+    indices, scores = [], []
+    for grad2d, cols, k in work:
+        score = torch.zeros(cols, device=device) if grad2d is None else column_scores(grad2d, importance)
+        indices.append(top_columns(score, k))
+        scores.append(score)
+    box["indices"] = torch.cat(indices) if indices else torch.empty(0, dtype=torch.long, device=device)
+    box["scores"] = torch.cat(scores) if scores else torch.empty(0, device=device)
+
+
+def _count_updates(counts: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+    """Side lane: one more update in each count (none for an overflowed 16-mixed step)."""
+    for count in counts:
+        count.add_(1.0 if found_inf is None else 1.0 - found_inf)
+
+
+def _count_kept(
+    kept: torch.Tensor,
+    first_in_window: bool,
+    any_present: bool,
+    index: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    overflow_masked: list[torch.Tensor],
+) -> None:
+    """Side lane: the window's kept counts (``index``: the matrices with a gradient, None: all of them)."""
+    if first_in_window:
+        kept.zero_()
+    keep = 1.0 if found_inf is None else 1.0 - found_inf
+    if any_present:
+        if index is None:
+            kept.add_(keep)
+        else:
+            kept.index_add_(0, index, torch.ones(index.numel(), device=kept.device) * keep)
+    if found_inf is not None:
+        flag = found_inf.bool()
+        for grad in overflow_masked:
+            # one pass over the gradient, 16-mixed only: an overflowed step must add zeros, not inf/NaN
+            grad.masked_fill_(flag, 0.0)
 
 
 def _complement(selected: torch.Tensor, cols: int) -> torch.Tensor:

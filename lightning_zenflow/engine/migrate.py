@@ -6,15 +6,17 @@ For each matrix, with the old and the new selected columns (both ascending):
 - *leaving* columns go down: their device master and moments overwrite the parked host values;
 - *entering* columns come up: their host master and moments (current: they were host-bound) go to the device.
 
-All matrices' leaving columns are gathered on the device into one buffer and copied down with one copy, all
-entering columns are gathered on the host into one pinned buffer and copied up with one copy; one
-synchronisation waits for both before the host scatters the leaving values (no per-matrix syncs). Entering and
-leaving columns are disjoint, so the host gather and the host scatter never touch the same values.
+Per param group, all matrices' leaving columns are gathered on the device into one buffer and copied down with one
+copy, all entering columns are gathered on the host and copied up with one copy, and every index the device needs
+goes up in one copy; one synchronisation waits for all of them before the host scatters the leaving values (no
+per-matrix syncs). The host side stages through the group's two accumulator rows, idle at a selection (shared,
+and pinned on CUDA), so a selection allocates no new pinned memory (:func:`staging_buffers`). Entering and leaving
+columns are disjoint, so the host gather and the host scatter never touch the same values.
 
 Under data parallel a rank holds the host state of its own rows only: it copies down its rows of the leaving
 columns and up its rows of the entering ones; the entering columns' other rows come from their owners through
-one sum all-reduce of a zero-filled buffer (each element has exactly one non-zero contributor, so the sum is
-exact), the refresh's only collective besides the selection's broadcast.
+one sum all-reduce per param group of a zero-filled buffer (each element has exactly one non-zero contributor, so
+the sum is exact), the refresh's only collectives besides the selection's broadcast.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
-from lightning_zenflow.engine.layout import GroupHostBuffers
+from lightning_zenflow.engine.lanes import Lanes
+from lightning_zenflow.engine.layout import ROW_GRAD_ACC, GroupHostBuffers
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.engine.streams import Lanes
 
 _ROWS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -80,87 +82,159 @@ def migrate(
 ) -> Moved:
     """Install ``new_selected`` (per matrix in layout order: ascending CPU int64 indices) as the selection.
 
-    Runs with no host work in flight. Replaces each matrix's :class:`SelectedState`; counts do not move.
+    Runs with no host work in flight (a selection is a synchronisation point: it waits for every lane first).
+    Replaces each matrix's :class:`SelectedState`; counts do not move.
     """
-    device = lanes.device
     ranks = ranks or Ranks()
     plans = [_plan(state, selected) for state, selected in zip(updater.matrix_states(), new_selected)]
     moved = Moved()
+    # host wait for every lane: the host block is read and written below, and nothing may still use it
+    lanes.synchronize()
+    for group_index, host in enumerate(host_buffers):
+        group_plans = [p for p in plans if p.state.slot.group_index == group_index]
+        if group_plans:
+            _migrate_group(lanes, updater, host, group_plans, ranks, moved)
+    return moved
+
+
+def staging_buffers(
+    lanes: Lanes, host: GroupHostBuffers, leave_total: int, enter_total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host staging ``[3, leave_total]`` and ``[3, enter_total]`` for one group's migration.
+
+    At a selection nothing is in flight, so the group's two accumulator rows are idle (the open window's first step
+    overwrites its own, and the other one's update has landed): they are the staging area, already shared and, on
+    CUDA, pinned. 8 B per element hold 12 B per moved element each way for ``topk_ratio`` up to about 1/3; larger
+    moves take a new pinned buffer (torch caches those for the rest of the run)."""
+    need = 3 * (leave_total + enter_total)
+    accumulators = host.block_shared[ROW_GRAD_ACC : ROW_GRAD_ACC + 2].reshape(-1)
+    flat = accumulators[:need] if need <= accumulators.numel() else lanes.empty_host(need, torch.float32)
+    return flat[: 3 * leave_total].view(3, leave_total), flat[3 * leave_total :].view(3, enter_total)
+
+
+def _migrate_group(
+    lanes: Lanes,
+    updater: DeviceUpdater,
+    host: GroupHostBuffers,
+    plans: Sequence[_Plan],
+    ranks: Ranks,
+    moved: Moved,
+) -> None:
+    device = lanes.device
     leave_total = sum(p.state.slot.host_rows * p.leaving.numel() for p in plans)
     enter_total = sum(p.state.slot.host_rows * p.entering.numel() for p in plans)
-    # one pinned host buffer each way, [3, elements]: master, exp_avg, exp_avg_sq (this rank's rows)
-    leaving_host = lanes.empty_host(3 * leave_total, torch.float32).view(3, leave_total)
-    entering_host = lanes.empty_host(3 * enter_total, torch.float32).view(3, enter_total)
+    leaving_host, entering_host = staging_buffers(lanes, host, leave_total, enter_total)
     # host gather of the entering columns (current host values: those columns were host-bound)
     position = 0
     for plan in plans:
         numel = plan.state.slot.host_rows * plan.entering.numel()
         if numel:
-            host = host_buffers[plan.state.slot.group_index]
             for row_index, name in enumerate(_ROWS):
                 source = plan.state.slot.view2d(getattr(host, name)).index_select(1, plan.entering)
                 entering_host[row_index, position : position + numel].copy_(source.reshape(-1))
         position += numel
-    lanes.wait_compute(lanes.side)
-    with lanes.on(lanes.side):
-        # device gather of the leaving columns, one copy down; one copy up of the entering columns
-        leaving_device = torch.empty(3, leave_total, dtype=torch.float32, device=device)
-        position = 0
-        for plan in plans:
-            slot = plan.state.slot
-            numel = slot.host_rows * plan.leaving.numel()
-            if numel:
-                leave_old = plan.leave_old.to(device)
-                for row_index, name in enumerate(_ROWS):
-                    columns = getattr(plan.state, name)[slot.row_start : slot.row_stop].index_select(1, leave_old)
-                    leaving_device[row_index, position : position + numel].copy_(columns.reshape(-1))
-            position += numel
-        leaving_host.copy_(leaving_device, non_blocking=lanes.is_cuda)
-        entering_device = entering_host.to(device, non_blocking=lanes.is_cuda)
-        moved.d2h_bytes += leaving_host.nbytes
-        moved.h2d_bytes += entering_host.nbytes
-        if ranks.sharded:
-            entering_device = _share_entering(entering_device, plans, ranks)
-        position = 0
-        for plan in plans:
-            state = plan.state
-            rows, k = state.slot.rows, plan.new_selected.numel()
-            numel = rows * plan.entering.numel()
-            stay_old, stay_new = plan.stay_old.to(device), plan.stay_new.to(device)
-            enter_new = plan.enter_new.to(device)
-            new_tensors = {}
-            for row_index, name in enumerate(_ROWS):
-                tensor = torch.empty(rows, k, dtype=torch.float32, device=device)
-                if stay_new.numel():
-                    tensor.index_copy_(1, stay_new, getattr(state, name).index_select(1, stay_old))
-                if numel:
-                    arrived = entering_device[row_index, position : position + numel].view(rows, -1)
-                    tensor.index_copy_(1, enter_new, arrived)
-                new_tensors[name] = tensor
-            position += numel
-            keep = torch.ones(state.slot.cols, dtype=torch.bool)
-            keep[plan.new_selected] = False
-            replacement = SelectedState(
-                slot=state.slot,
-                selected=plan.new_selected.to(device),
-                unselected=keep.nonzero().flatten().to(device),
-                selected_host=plan.new_selected.clone(),
-                step_count=state.step_count,
-                **new_tensors,
-            )
-            updater.selected[state.slot.group_index][state.slot.index_in_group] = replacement
-    # host wait for the copies both ways (the pinned buffers must outlive them; the host scatter needs the values)
+    # every index the device needs, in one upload from pinned memory (not six small copies per matrix)
+    index_parts = [part for p in plans for part in (p.leave_old, p.stay_old, p.stay_new, p.enter_new, p.new_selected)]
+    index_parts += [_complement(p.new_selected, p.state.slot.cols) for p in plans]
+    sizes = [int(part.numel()) for part in index_parts]
+    indices_host = lanes.empty_host(max(1, sum(sizes)), torch.long)
+    if sizes and sum(sizes):
+        torch.cat(index_parts, out=indices_host[: sum(sizes)])
+    moved.d2h_bytes += leaving_host.nbytes
+    moved.h2d_bytes += entering_host.nbytes
+    box: dict[str, object] = {}
+    # side waits (GPU-side) for the compute lane's gradients and weights
+    lanes.side.wait_lane(lanes.compute)
+    lanes.side.run(_gather_and_copy, box, plans, indices_host, sizes, leaving_host, entering_host, device)
+    if ranks.sharded:
+        lanes.collective(lanes.side, _share_entering_into, box, plans, ranks)
+    lanes.side.run(_install, box, plans, updater, device)
+    # host wait for the copies both ways (the staging must outlive them; the host scatter needs the values)
     lanes.synchronize()
     position = 0
     for plan in plans:
         numel = plan.state.slot.host_rows * plan.leaving.numel()
         if numel:
-            host = host_buffers[plan.state.slot.group_index]
             for row_index, name in enumerate(_ROWS):
                 values = leaving_host[row_index, position : position + numel].view(plan.state.slot.host_rows, -1)
                 plan.state.slot.view2d(getattr(host, name)).index_copy_(1, plan.leaving, values)
         position += numel
-    return moved
+
+
+def _gather_and_copy(
+    box: dict,
+    plans: Sequence[_Plan],
+    indices_host: torch.Tensor,
+    sizes: Sequence[int],
+    leaving_host: torch.Tensor,
+    entering_host: torch.Tensor,
+    device: torch.device,
+) -> None:
+    """Side lane: the indices up, the leaving columns gathered and copied down, the entering columns copied up."""
+    non_blocking = device.type == "cuda"
+    indices = indices_host[: max(1, sum(sizes))].to(device, non_blocking=non_blocking)
+    parts = iter(torch.split(indices[: sum(sizes)], list(sizes)))
+    per_plan = [tuple(next(parts) for _ in range(5)) for _ in plans]
+    unselected = [next(parts) for _ in plans]
+    box["indices"] = indices  # alive until the copies that read it are done
+    box["per_plan"] = per_plan
+    box["unselected"] = unselected
+    leave_total = leaving_host.shape[1]
+    leaving_device = torch.empty(3, leave_total, dtype=torch.float32, device=device)
+    position = 0
+    for plan, (leave_old, _, _, _, _) in zip(plans, per_plan):
+        slot = plan.state.slot
+        numel = slot.host_rows * plan.leaving.numel()
+        if numel:
+            for row_index, name in enumerate(_ROWS):
+                columns = getattr(plan.state, name)[slot.row_start : slot.row_stop].index_select(1, leave_old)
+                leaving_device[row_index, position : position + numel].copy_(columns.reshape(-1))
+        position += numel
+    leaving_host.copy_(leaving_device, non_blocking=non_blocking)
+    box["leaving_device"] = leaving_device
+    box["entering"] = entering_host.to(device, non_blocking=non_blocking)
+
+
+def _share_entering_into(box: dict, plans: Sequence[_Plan], ranks: Ranks) -> None:
+    box["entering"] = _share_entering(box["entering"], plans, ranks)
+
+
+def _install(box: dict, plans: Sequence[_Plan], updater: DeviceUpdater, device: torch.device) -> None:
+    """Side lane: each matrix's new state from its staying columns (device) and its entering ones (arrived)."""
+    entering_device = box["entering"]
+    position = 0
+    for plan, (_, stay_old, stay_new, enter_new, selected), unselected in zip(
+        plans, box["per_plan"], box["unselected"]
+    ):
+        state = plan.state
+        rows, k = state.slot.rows, plan.new_selected.numel()
+        numel = rows * plan.entering.numel()
+        new_tensors = {}
+        for row_index, name in enumerate(_ROWS):
+            tensor = torch.empty(rows, k, dtype=torch.float32, device=device)
+            if stay_new.numel():
+                tensor.index_copy_(1, stay_new, getattr(state, name).index_select(1, stay_old))
+            if numel:
+                arrived = entering_device[row_index, position : position + numel].view(rows, -1)
+                tensor.index_copy_(1, enter_new, arrived)
+            new_tensors[name] = tensor
+        position += numel
+        replacement = SelectedState(
+            slot=state.slot,
+            selected=selected,
+            unselected=unselected,
+            selected_host=plan.new_selected.clone(),
+            step_count=state.step_count,
+            scratch=torch.empty(rows, k, dtype=torch.float32, device=device),
+            **new_tensors,
+        )
+        updater.selected[state.slot.group_index][state.slot.index_in_group] = replacement
+
+
+def _complement(selected: torch.Tensor, cols: int) -> torch.Tensor:
+    keep = torch.ones(cols, dtype=torch.bool)
+    keep[selected] = False
+    return keep.nonzero().flatten()
 
 
 def _share_entering(own: torch.Tensor, plans: Sequence[_Plan], ranks: Ranks) -> torch.Tensor:

@@ -9,8 +9,8 @@ and link bytes per rank drop by the number of ranks.
 Rows owned elsewhere reach a rank through three collectives, all issued by the training thread at points of the
 rule that every rank reaches in the same order (window landings, refreshes, checkpoints, the ``"auto"`` choices):
 
-- :meth:`Ranks.share_rows`: each rank holds its own rows of a tensor; afterwards every rank holds all of them
-  (one broadcast per owner, in place);
+- :meth:`Ranks.share_rows` / :meth:`Ranks.share_rows_many`: each rank holds its own rows of a tensor; afterwards
+  every rank holds all of them (in place: one broadcast per owner, or one all-gather per packed chunk of many);
 - :meth:`Ranks.broadcast_`: rank 0's selection to every rank (ties in top-k must not split the ranks);
 - :meth:`Ranks.agree`: one number agreed by all ranks (max or min), for choices that depend on timing or memory.
 
@@ -25,6 +25,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+SHARE_CHUNK_ELEMENTS = 1 << 24
+""":meth:`Ranks.share_rows_many` packs row blocks into chunks of about this many elements per rank (32 MiB of bf16)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,60 @@ class Ranks:
         for owner, (start, stop) in enumerate(self.row_range(tensor.shape[0])):
             if stop > start:
                 dist.broadcast(tensor[start:stop], src=owner, group=self.group)
+
+    def share_rows_many(self, tensors: list[torch.Tensor], budget_elements: int = SHARE_CHUNK_ELEMENTS) -> None:
+        """:meth:`share_rows` for many tensors at once: their row blocks packed into padded chunks (one dtype each,
+        about ``budget_elements`` per rank, or one tensor when it is larger), one all-gather per chunk instead of one
+        broadcast per owner per tensor. Device memory: the chunk's send and receive buffers."""
+        if not self.sharded:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for same_dtype in by_dtype.values():
+            chunk: list[torch.Tensor] = []
+            size = 0
+            for tensor in same_dtype:
+                padded = self._padded_block(tensor)
+                if chunk and size + padded > budget_elements:
+                    self._all_gather_rows(chunk)
+                    chunk, size = [], 0
+                chunk.append(tensor)
+                size += padded
+            if chunk:
+                self._all_gather_rows(chunk)
+
+    def _padded_block(self, tensor: torch.Tensor) -> int:
+        """Elements of a row block of ``tensor`` padded to the largest block (``ceil(rows / world)`` rows)."""
+        per_rank = max(1, math.ceil(tensor.shape[0] / self.world))
+        return per_rank * (tensor.numel() // max(1, tensor.shape[0]))
+
+    def _all_gather_rows(self, tensors: list[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        sizes = [self._padded_block(t) for t in tensors]
+        total = sum(sizes)
+        send = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
+        position = 0
+        for tensor, size in zip(tensors, sizes):
+            start, stop = self.own_rows(tensor.shape[0])
+            own = tensor[start:stop].reshape(-1)
+            send[position : position + own.numel()].copy_(own)
+            position += size
+        received = torch.empty(self.world * total, dtype=send.dtype, device=send.device)
+        # torch >= 2.10 names it all_gather_single (all_gather_into_tensor is deprecated there)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(received, send, group=self.group)
+        for owner in range(self.world):
+            if owner == self.rank:
+                continue
+            position = owner * total
+            for tensor, size in zip(tensors, sizes):
+                start, stop = self.row_range(tensor.shape[0])[owner]
+                block = tensor[start:stop]
+                if block.numel():
+                    block.copy_(received[position : position + block.numel()].view(block.shape))
+                position += size
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``tensor`` on every rank (in place)."""

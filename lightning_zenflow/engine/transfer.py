@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
+from lightning_zenflow.engine.lanes import Event, Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers, MatrixSlot, staging_view
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.engine.streams import Event, Lanes
 
 STAGING_SLOT_BYTES = 64 * 1024 * 1024
 """Bytes per slot of the host mode's staging ring (two slots on the device, two pinned on the host)."""
@@ -47,20 +47,44 @@ def packed_view(row: torch.Tensor, slot: MatrixSlot, columns: int) -> torch.Tens
     return row[slot.offset : slot.offset + slot.host_rows * columns].view(slot.host_rows, columns)
 
 
+def _gather_columns(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor) -> None:
+    """Lane work: the ``columns`` of ``rows`` into ``out``."""
+    torch.index_select(rows, 1, columns, out=out)
+
+
+def _write_selected_all(states: Sequence[SelectedState]) -> None:
+    """Lane work: the selected columns of each matrix back from their device masters."""
+    for state in states:
+        DeviceUpdater.write_selected(state)
+
+
+def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: bool) -> None:
+    """Lane work: ``target.copy_(source)`` for each pair (asynchronous between pinned host memory and CUDA)."""
+    for target, source in copies:
+        target.copy_(source, non_blocking=non_blocking)
+
+
 class Helper:
     """One helper thread that runs host-side stages in order (FIFO): host adds, job launches. Real on the CPU
     too, so the CPU tests run the same concurrency. Failures surface in the training thread at the next call."""
 
     def __init__(self, lanes: Lanes) -> None:
         self.lanes = lanes
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zenflow-helper")
+        # CUDA: the thread's event waits and copies belong to the engine's device, not to device 0 (a context there)
+        initializer = (lambda: torch.cuda.set_device(lanes.device)) if lanes.is_cuda else None
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="zenflow-helper", initializer=initializer
+        )
         self._futures: list[concurrent.futures.Future] = []
+        self._rng = lanes.rng("helper")
 
     def submit(self, fn: Callable[..., None], *args: object) -> concurrent.futures.Future:
         self.raise_failures()
 
         def run() -> None:
-            self.lanes.delay("helper")
+            seconds = self.lanes.delay_s("helper", self._rng)
+            if seconds:
+                time.sleep(seconds)
             fn(*args)
 
         future = self._executor.submit(run)
@@ -112,10 +136,12 @@ class DeviceAccumulation:
     def add(
         self, states: Sequence[SelectedState], slot: int, first_in_window: bool, helper: Helper, upload_read: Event
     ) -> None:
-        """Add this step's gradients (whole rows). Issue on the side stream, after the device update."""
+        """Add this step's gradients (whole rows), on the side lane after the device update."""
+        lanes = self.lanes
         if first_in_window:
-            # side stream waits (GPU-side) until the last window-end copy has read the accumulators
-            Lanes.stream_waits(self.lanes.side, self.copied_down)
+            # side waits (GPU-side) until the last window-end copy down has read the accumulators
+            lanes.side.wait(self.copied_down)
+        work = []
         for state in states:
             acc = self.acc_device.get((state.slot.group_index, state.slot.index_in_group))
             if acc is None:
@@ -123,12 +149,19 @@ class DeviceAccumulation:
             grad = state.slot.param.grad
             if grad is None:
                 if first_in_window:
-                    acc.zero_()
+                    work.append((acc, None))
                 continue
-            # made on the compute stream, read on the side stream: keep it alive past zero_grad
-            self.lanes.keep_for(grad, self.lanes.side)
-            grad2d = state.slot.own(grad)
-            if first_in_window:
+            # made on the compute lane, read on the side lane: keep it alive past zero_grad
+            lanes.keep_for(grad, lanes.side)
+            work.append((acc, state.slot.own(grad)))
+        lanes.side.run(self._add_all, work, first_in_window)
+
+    @staticmethod
+    def _add_all(work: Sequence[tuple[torch.Tensor, torch.Tensor | None]], first_in_window: bool) -> None:
+        for acc, grad2d in work:
+            if grad2d is None:
+                acc.zero_()
+            elif first_in_window:
                 acc.copy_(grad2d)  # the window's first gradient overwrites: no zeroing pass
             else:
                 acc.add_(grad2d)  # fp32 + (model dtype cast to fp32): one exact conversion, one rounding
@@ -136,20 +169,20 @@ class DeviceAccumulation:
     def finish_window(self, slot: int, active: Sequence[Sequence[int]], upload_read: Event) -> Event:
         """Copy the active matrices' accumulators down into host accumulator ``slot``; returns the copy's event."""
         lanes = self.lanes
-        # d2h waits (GPU-side) for the side stream's adds, and for the upload that may still read this slot
-        if lanes.d2h is not None:
-            lanes.d2h.wait_stream(lanes.side)
-        Lanes.stream_waits(lanes.d2h, upload_read)
-        with lanes.on(lanes.d2h, "d2h"):
-            for group_index, indices in enumerate(active):
-                host_row = self.host_buffers[group_index].grad_acc(slot)
-                for index in indices:
-                    acc = self.acc_device[(group_index, index)]
-                    offset = self._offsets[(group_index, index)]
-                    target = host_row[offset : offset + acc.numel()].view(acc.shape)
-                    target.copy_(acc, non_blocking=lanes.is_cuda)
-                    self.d2h_bytes += acc.nbytes
-            self.copied_down.record(lanes.d2h)
+        # d2h waits (GPU-side) for the side lane's adds of this window
+        lanes.d2h.wait_lane(lanes.side)
+        # and for the last upload, which may still read this slot (a model that is not fp32 stages its weights here)
+        lanes.d2h.wait(upload_read)
+        copies = []
+        for group_index, indices in enumerate(active):
+            host_row = self.host_buffers[group_index].grad_acc(slot)
+            for index in indices:
+                acc = self.acc_device[(group_index, index)]
+                offset = self._offsets[(group_index, index)]
+                copies.append((host_row[offset : offset + acc.numel()].view(acc.shape), acc))
+                self.d2h_bytes += acc.nbytes
+        lanes.d2h.run(copy_all, copies, lanes.is_cuda)
+        lanes.d2h.record(self.copied_down)
         return self.copied_down
 
     def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
@@ -192,13 +225,13 @@ class HostAccumulation:
     def add(
         self, states: Sequence[SelectedState], slot: int, first_in_window: bool, helper: Helper, upload_read: Event
     ) -> None:
-        """Gather, copy down and (on the helper thread) add this step's unselected columns. Issue on the side
-        stream, after the device update; the training thread blocks only while both ring slots are busy."""
+        """Gather (side lane), copy down (d2h lane) and add (helper thread) this step's unselected columns, after
+        the device update; the training thread blocks only while both ring slots are still being added."""
         lanes = self.lanes
         if first_in_window:
             # the open window's accumulator may be the source of the last upload (staged weights): the helper
             # thread waits for that copy up before it writes there
-            helper.submit(upload_read.synchronize)
+            helper.submit(upload_read.wait_here)
         for state in states:
             grad = state.slot.param.grad
             n_unselected = state.slot.cols - state.k
@@ -209,7 +242,7 @@ class HostAccumulation:
                 if first_in_window:
                     helper.submit(acc2d.zero_)
                 continue
-            # made on the compute stream, read on the side stream: keep it alive past zero_grad
+            # made on the compute lane, read on the side lane: keep it alive past zero_grad
             lanes.keep_for(grad, lanes.side)
             grad2d = grad.view(state.slot.rows, state.slot.cols)
             row_bytes = n_unselected * grad.element_size()
@@ -227,14 +260,14 @@ class HostAccumulation:
                 numel = shape[0] * shape[1]
                 chunk_device = self.ring_device[ring][: numel * grad.element_size()].view(grad.dtype).view(shape)
                 chunk_host = self.ring_host[ring][: numel * grad.element_size()].view(grad.dtype).view(shape)
-                # side stream: gather the rows' unselected columns; its earlier copy down from this slot is done
-                Lanes.stream_waits(lanes.side, self.copied[ring])
-                torch.index_select(grad2d[row_start:row_stop], 1, state.unselected, out=chunk_device)
-                self.gathered[ring].record(lanes.side)
-                Lanes.stream_waits(lanes.d2h, self.gathered[ring])
-                with lanes.on(lanes.d2h, "d2h"):
-                    chunk_host.copy_(chunk_device, non_blocking=lanes.is_cuda)
-                    self.copied[ring].record(lanes.d2h)
+                # side waits (GPU-side) until the earlier copy down from this ring slot has read it
+                lanes.side.wait(self.copied[ring])
+                lanes.side.run(_gather_columns, grad2d[row_start:row_stop], state.unselected, chunk_device)
+                lanes.side.record(self.gathered[ring])
+                # d2h waits (GPU-side) for the gather into the ring slot
+                lanes.d2h.wait(self.gathered[ring])
+                lanes.d2h.run(copy_all, [(chunk_host, chunk_device)], lanes.is_cuda)
+                lanes.d2h.record(self.copied[ring])
                 self.d2h_bytes += numel * grad.element_size()
                 acc_rows = acc2d[row_start - first_row : row_stop - first_row]
                 helper.submit(self.add_staged, ring, chunk_host, acc_rows, first_in_window)
@@ -256,7 +289,7 @@ class HostAccumulation:
         then free its ring slot. ``acc_rows`` is contiguous: a plain streaming add."""
         try:
             # helper-thread wait for this chunk's copy down to land in the pinned slot
-            self.copied[ring].synchronize()
+            self.copied[ring].wait_here()
             if chunk_host.dtype == torch.float32:
                 if overwrite:
                     acc_rows.copy_(chunk_host)
@@ -349,48 +382,59 @@ class Uploads:
         return staging_view(host.grad_acc(slot), state.slot, dtype)
 
     def prefetch(self, slot: int, active: Sequence[Sequence[int]]) -> None:
-        """Device mode: start copying the finished update up into the device buffers (h2d stream). No-op
-        without buffers or when already started."""
+        """Device mode: start copying the finished update up into the device buffers (h2d lane). No-op
+        without buffers or when already started.
+
+        Issued by the training thread once the worker is done, which is after the previous landing's side-lane
+        reads of these buffers: the worker started only when the window's copy down had landed, and that copy
+        waited for the side lane's work up to this window's end, the previous landing included."""
         if self.buffers_device is None or self._prefetched is not None:
             return
         lanes = self.lanes
-        with lanes.on(lanes.h2d, "h2d"):
-            for group_index, indices in enumerate(active):
-                states = self.device_updater.selected[group_index]
-                for index in indices:
-                    source = self._source(group_index, states[index], slot)
-                    target = self.buffers_device[(group_index, index)]
-                    target.copy_(source, non_blocking=lanes.is_cuda)
-                    self.h2d_bytes += source.nbytes
-            self.source_read.record(lanes.h2d)
+        copies = []
+        for group_index, indices in enumerate(active):
+            states = self.device_updater.selected[group_index]
+            for index in indices:
+                source = self._source(group_index, states[index], slot)
+                copies.append((self.buffers_device[(group_index, index)], source))
+                self.h2d_bytes += source.nbytes
+        lanes.h2d.run(copy_all, copies, lanes.is_cuda)
+        lanes.h2d.record(self.source_read)
         self._prefetched = (slot, tuple(tuple(a) for a in active))
 
     def land(self, slot: int, active: Sequence[Sequence[int]]) -> None:
         """Write the update into the parameters, then restore the selected columns from the device masters.
-        Issued on the side stream; the compute stream waits for it before the next forward."""
+        Issued on the side lane; the compute lane waits for it before the next forward."""
         lanes = self.lanes
         self.prefetch(slot, active)
-        # side stream waits (GPU-side) for the compute stream (callbacks may have read the weights) and the copy up
-        lanes.wait_compute(lanes.side)
+        # side waits (GPU-side) for the compute lane: callbacks may have read the weights
+        lanes.side.wait_lane(lanes.compute)
         if self.buffers_device is not None:
-            Lanes.stream_waits(lanes.side, self.source_read)
-        with lanes.on(lanes.side, "side"):
-            for group_index, indices in enumerate(active):
-                states = self.device_updater.selected[group_index]
-                for index in indices:
-                    state = states[index]
-                    param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
-                    own_rows = param2d[state.slot.row_start : state.slot.row_stop]
-                    if self.buffers_device is not None:
-                        own_rows.copy_(self.buffers_device[(group_index, index)])
-                    else:
-                        source = self._source(group_index, state, slot)
-                        own_rows.copy_(source, non_blocking=lanes.is_cuda)
-                        self.h2d_bytes += source.nbytes
-                    self.ranks.share_rows(param2d)  # data parallel: every rank's rows, on every rank
-                    self.device_updater.write_selected(state)
-            if self.buffers_device is None:
-                self.source_read.record(lanes.side)
+            # side waits (GPU-side) for the copy up into the device buffers
+            lanes.side.wait(self.source_read)
+        copies, shared, states = [], [], []
+        for group_index, indices in enumerate(active):
+            group_states = self.device_updater.selected[group_index]
+            for index in indices:
+                state = group_states[index]
+                param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
+                own_rows = param2d[state.slot.row_start : state.slot.row_stop]
+                if self.buffers_device is not None:
+                    copies.append((own_rows, self.buffers_device[(group_index, index)]))
+                else:
+                    source = self._source(group_index, state, slot)
+                    copies.append((own_rows, source))
+                    self.h2d_bytes += source.nbytes
+                shared.append(param2d)
+                states.append(state)
+        lanes.side.run(copy_all, copies, lanes.is_cuda)
+        if self.buffers_device is None:
+            # host mode: the side lane's copies read the host source (the master, or the staged weights)
+            lanes.side.record(self.source_read)
+        if self.ranks.sharded:
+            # data parallel: every rank's rows, on every rank, in the side lane's order
+            lanes.collective(lanes.side, self.ranks.share_rows_many, shared)
+        lanes.side.run(_write_selected_all, states)
         self._prefetched = None
 
     def bytes_held(self) -> int:
