@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -100,8 +101,15 @@ class ZenFlowTelemetry(Callback):
         self.summary.steps += 1
         self.summary.stall_s += stats.stall_s
         self.summary.wall_s = time.perf_counter() - (self._started or time.perf_counter())
+        # a CPU tensor: Lightning turns a Python float into a tensor on the module's device, a blocking copy (a
+        # host-device sync every step on CUDA); a CPU tensor stays where it is, and so does the progress bar's read
         pl_module.log(
-            PROGRESS_BAR_KEY, 100 * self.summary.stall_share, prog_bar=True, logger=False, on_step=True, on_epoch=False
+            PROGRESS_BAR_KEY,
+            torch.tensor(100 * self.summary.stall_share, dtype=torch.float32),
+            prog_bar=True,
+            logger=False,
+            on_step=True,
+            on_epoch=False,
         )
         metrics = {}
         if stats.selection_overlap is not None:

@@ -31,14 +31,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout_s: float = 120.0) -> list[int]:
-    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes; their exit codes."""
+def run_ranks(
+    target: Callable[..., None], world: int, *args: Any, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> list[int]:
+    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes (with ``env`` added to their
+    environment); their exit codes."""
     context = mp.get_context("spawn")
     port = free_port()
     processes = [context.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
     saved = dict(os.environ)
     # the ranks run the engine only: skip the package's Lightning import (seconds per rank), as its worker does
     os.environ["LIGHTNING_ZENFLOW_HOST_WORKER"] = "1"
+    os.environ.update(env or {})
     try:
         for process in processes:
             process.start()
@@ -158,6 +162,35 @@ def engine_rank(
     finally:
         engine.close()
     torch.save(result, pathlib.Path(out) / f"rank{rank}.pt")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def lanes_rank(
+    rank: int, world: int, port: int, config: dict, steps: int, out: str, schedules: list[tuple[str, int]]
+) -> None:
+    """One rank: for each ``(mode, seed)`` of the CPU lanes (``LIGHTNING_ZENFLOW_LANES``), train :class:`SmallNet`
+    from the same start on the whole batch; write ``{(mode, seed): weights}``."""
+    import torch.distributed as dist
+
+    init_group(rank, world, port)
+    results = {}
+    for mode, seed in schedules:
+        os.environ.update(LIGHTNING_ZENFLOW_LANES=mode, LIGHTNING_ZENFLOW_LANES_SEED=str(seed))
+        model, optimizer, engine = start_engine(rank, world, config)
+        try:
+            for step in range(1, steps + 1):
+                inputs, targets = batch(step)
+                (model(inputs) - targets).square().mean().backward()
+                engine.step()
+                engine.wait_for_update()
+                optimizer.zero_grad()
+            engine.flush()
+            engine.wait_for_update()
+            results[(mode, seed)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        finally:
+            engine.close()
+    torch.save(results, pathlib.Path(out) / f"rank{rank}.pt")
     if world > 1:
         dist.destroy_process_group()
 

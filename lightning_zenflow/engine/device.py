@@ -189,14 +189,14 @@ class DeviceUpdater:
     def begin_step(self) -> None:
         """Order the side lane after the gradients: a GPU-side wait for backward and clipping, no host sync."""
         # side waits (GPU-side) for the compute lane's backward, clipping and all-reduce
-        self.lanes.side.wait_lane(self.lanes.compute)
+        self.lanes.side.wait_lane(self.lanes.compute, "side after compute")
 
     def end_step(self) -> None:
         """Mark the end of this step's side-lane work; the compute lane waits for it (GPU-side) before the next
         forward reads the weights or ``zero_grad`` touches the gradients the side lane reads."""
         self.lanes.side.record(self.update_done)
         # compute waits (GPU-side; on the CPU the training thread blocks) for the device update and accumulation
-        self.lanes.compute.wait(self.update_done)
+        self.lanes.compute.wait(self.update_done, "compute after update")
 
     def update(self, hparams: Sequence[HyperParams], found_inf: torch.Tensor | None = None) -> None:
         """Issue one device step for every group on the side lane: device-only parameters and the selected columns

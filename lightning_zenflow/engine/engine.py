@@ -193,9 +193,10 @@ class ZenFlowEngine:
         # device, unknown to the host); copied down with the window, they are the worker's mean divisors
         n_matrices = sum(len(g.matrices) for g in self.layout)
         self._kept_device = torch.zeros(n_matrices, dtype=torch.float32, device=self.device)
-        # per accumulator slot: the counts of the window that closed in it, and the event of their copy down
+        # per accumulator slot: the counts of the window that closed in it, and the event recorded on the d2h lane
+        # after that window's copies down (its accumulators in device mode, and its counts)
         self._kept_host = [self.lanes.empty_host(n_matrices, torch.float32) for _ in range(2)]
-        self._kept_copied = [self.lanes.event() for _ in range(2)]
+        self._window_copied = [self.lanes.event() for _ in range(2)]
         self._present_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._worker: HostWorker | None = None
         self._started = True
@@ -413,6 +414,8 @@ class ZenFlowEngine:
         )
         self._stall_at_last_stats = stall_at_stats
         self._syncs_at_last_stats = syncs_at_stats
+        # control goes back to the caller, whose work runs on the compute lane after everything it waits for
+        self.lanes.settle()
         return self.last_stats
 
     def read_hparams(self) -> list[HyperParams]:
@@ -421,7 +424,8 @@ class ZenFlowEngine:
     def wait_for_update(self) -> None:
         """Before the next forward: the compute lane waits (GPU-side, no host sync) for the device update."""
         if self._started and not self._closed:
-            self.lanes.compute.wait(self.device_updater.update_done)
+            self.lanes.compute.wait(self.device_updater.update_done, "compute after update")
+            self.lanes.settle()
 
     def sync(self) -> None:
         """Apply the host update in flight, if any, so the model holds every finished update. Leaves the open
@@ -429,6 +433,7 @@ class ZenFlowEngine:
         self._require_started()
         if self.schedule.pending is not None:
             self._timed_wait(self._land_pending)
+        self.lanes.settle()
 
     def flush(self) -> None:
         """End of training: apply what is in flight, then close the open window early (mean over the steps it
@@ -437,6 +442,7 @@ class ZenFlowEngine:
         self.sync()
         if self.schedule.steps_in_window > 0 and self.schedule.last_hparams is not None:
             self._close_window([HyperParams(**h) for h in self.schedule.last_hparams], overlap=False)
+        self.lanes.settle()
 
     # ------------------------------------------------------------------------------------ accumulation mode
     def _choose_accumulation(self) -> None:
@@ -507,9 +513,9 @@ class ZenFlowEngine:
         counts nothing) and, under 16-mixed, zero the host-bound gradients of an overflowed step in place."""
         lanes = self.lanes
         if first_in_window:
-            # side waits (GPU-side) for the copy down of the counts of the window that just closed before it zeroes
-            # them: the event of that window, not of the one before it
-            lanes.side.wait(self._closed_window_counts_copied())
+            # side waits (GPU-side) for the copies down of the window that just closed before it zeroes the counts
+            # and overwrites the accumulators: the event of that window, not of the one before it
+            lanes.side.wait(self._closed_window_copied(), "window copied")
         present = tuple(i for i, state in enumerate(states) if state.slot.param.grad is not None)
         index = None
         if present and len(present) < len(states):
@@ -529,10 +535,10 @@ class ZenFlowEngine:
             _count_kept, self._kept_device, first_in_window, bool(present), index, found_inf, overflow_masked
         )
 
-    def _closed_window_counts_copied(self):
-        """The event of the last closed window's kept-count copy down (its slot is the other one: the open window's
-        slot flipped when it closed)."""
-        return self._kept_copied[self.schedule.slot ^ 1]
+    def _closed_window_copied(self):
+        """The event of the last closed window's copies down (its slot is the other one: the open window's slot
+        flipped when it closed)."""
+        return self._window_copied[self.schedule.slot ^ 1]
 
     def _close_window(self, hparams: list[HyperParams], overlap: bool) -> None:
         slot = self.schedule.slot
@@ -542,15 +548,14 @@ class ZenFlowEngine:
             self._timed_wait(self._land_pending)
         active = [list(job.active) for job in jobs]
         if any(active):
-            ready = self.accumulation.finish_window(slot, active, self.uploads.source_read)
             lanes = self.lanes
-            # d2h waits (GPU-side) for the side lane's last count of this window before its counts go down
-            lanes.d2h.wait_lane(lanes.side)
+            # d2h waits (GPU-side) for the side lane's last add and count of this window before they go down
+            lanes.d2h.wait_lane(lanes.side, "window added")
+            self.accumulation.finish_window(slot, active)
             lanes.d2h.run(copy_all, [(self._kept_host[slot], self._kept_device)], lanes.is_cuda)
-            lanes.d2h.record(self._kept_copied[slot])
-            # after this window's adds on the helper thread (host mode), once its copy down has landed (device
-            # mode) and the last upload has read the host master (the worker rewrites it)
-            self._launch_future = self.helper.submit(self._launch, slot, jobs, ready)
+            lanes.d2h.record(self._window_copied[slot])
+            # queued after this window's adds on the helper thread (host mode); it waits for the copy down
+            self._launch_future = self.helper.submit(self._launch, slot, jobs)
             land_after = self.config.land_after
             land_at = None
             if overlap and land_after is not None and land_after < self.schedule.interval:
@@ -560,14 +565,14 @@ class ZenFlowEngine:
                 self._timed_wait(self._land_pending)
         self._maybe_decide_interval()
 
-    def _launch(self, slot: int, jobs: list[GroupJob], ready) -> None:
+    def _launch(self, slot: int, jobs: list[GroupJob]) -> None:
         if self._worker is None:
             raise RuntimeError("internal error: host work was scheduled but no host worker is running.")
-        # helper-thread waits: the accumulator and the kept counts have landed; the last upload has read its
-        # host source (the worker rewrites the master, and a model that is not fp32 stages its weights in the slot)
-        ready.wait_here()
-        self._kept_copied[slot].wait_here()
-        self.uploads.source_read.wait_here()
+        # helper-thread wait: the window's accumulators and kept counts have landed on the host. That copy down
+        # waited for the side lane's work up to this window's end, which includes the landing of the last upload
+        # (issued before it, after that upload's copy up): so the last upload has read its host source too, and
+        # the worker may rewrite the master (and, for a model that is not fp32, stage its weights in the slot)
+        self._window_copied[slot].wait_here("launch: window copied")
         kept = self._kept_host[slot].tolist()
         first = 0
         with_divisors = []
@@ -711,7 +716,7 @@ class ZenFlowEngine:
             col_sizes = [cols for _, cols, _ in work]
             box: dict[str, torch.Tensor] = {}
             # side waits (GPU-side) for the compute lane's gradients
-            lanes.side.wait_lane(lanes.compute)
+            lanes.side.wait_lane(lanes.compute, "side after compute")
             lanes.side.run(_score_and_choose, box, work, self.config.importance, self.device)
             # data parallel: rank 0's choice everywhere (equal gradients, but ties must not split the ranks)
             lanes.collective(lanes.side, lambda: self.ranks.broadcast_(box["indices"]))

@@ -15,8 +15,10 @@ once inside the stream's context (its kernels queue on the stream). On the CPU, 
 each a thread that runs its queued work in order, an event is a real completion marker, and a wait is a real
 dependency: work runs later than it is issued, concurrently with the caller and with the other lanes, as kernels
 queued on streams do. So a missing wait shows as a wrong number in a CPU test. ``compute`` is the calling thread:
-its work is done when issued, so a lane's wait on it is satisfied at once, and its wait on an event blocks the
-caller (on CUDA that wait is GPU-side; it is not counted as a host sync).
+its work is done when issued, so a lane's wait on it is satisfied at once. Its own wait on an event is deferred, as
+on CUDA, where it is GPU-side and the host runs on: the engine's bookkeeping after it goes ahead, and the calling
+thread blocks in ``lanes.settle()``, which the engine calls before it returns control to its caller (not counted as
+a host sync). What the CPU lanes cannot model is listed in ``docs/performance.md``.
 
 What ``fn`` may do: read and write tensors it was handed. Which tensors, which states and which gradients are
 decided by the caller when it issues the work (on CUDA the host runs ahead of the device the same way); ``fn`` must
@@ -54,6 +56,21 @@ ADVERSARIAL_MAX_DELAY_S = 0.003
 """The adversarial lanes sleep a uniformly random time up to this before each piece of work."""
 _CUDA_SLEEP_CYCLES_PER_S = 1.5e9
 """``torch.cuda._sleep`` spins for a number of GPU clock cycles; about this many per second on current GPUs."""
+DROPPED_WAITS: frozenset[str] = frozenset()
+"""Test hook (the mutation test): waits whose label is here are skipped, to show that the adversarial lanes turn a
+missing wait into a wrong number. Every wait the engine issues has a label (``WAIT_LABELS``)."""
+WAIT_LABELS = (
+    "side after compute",
+    "compute after update",
+    "window added",
+    "window copied",
+    "ring gathered",
+    "ring copied",
+    "upload read",
+    "upload arrived",
+    "launch: window copied",
+)
+"""The engine's waits, by what each one waits for (see where each is issued)."""
 _WAIT_POLL_S = 0.5
 """A host wait on a CPU lane checks this often that the lane's thread is still alive (it never dies silently)."""
 
@@ -94,9 +111,11 @@ class Event:
         self._lanes.count_host_sync()
         self.wait_here()
 
-    def wait_here(self) -> None:
+    def wait_here(self, label: str | None = None) -> None:
         """The calling thread waits for the event without counting a host sync (the helper thread's waits, and a
         CPU compute lane's wait, which is GPU-side on CUDA)."""
+        if label in DROPPED_WAITS:
+            return
         if self._cuda is not None:
             self._cuda.synchronize()
             return
@@ -161,12 +180,21 @@ class Lane:
     def record(self, event: Event) -> None:
         raise NotImplementedError
 
-    def wait(self, event: Event) -> None:
-        """This lane's later work waits for ``event``'s latest record (GPU-side: the caller does not block)."""
+    def wait(self, event: Event, label: str) -> None:
+        """This lane's later work waits for ``event``'s latest record (GPU-side: the caller does not block).
+        ``label``: what it waits for (``WAIT_LABELS``)."""
+        if label not in DROPPED_WAITS:
+            self._wait(event)
+
+    def wait_lane(self, other: Lane, label: str) -> None:
+        """This lane's later work waits for everything issued so far on ``other`` (GPU-side)."""
+        if label not in DROPPED_WAITS:
+            self._wait_lane(other)
+
+    def _wait(self, event: Event) -> None:
         raise NotImplementedError
 
-    def wait_lane(self, other: Lane) -> None:
-        """This lane's later work waits for everything issued so far on ``other`` (GPU-side)."""
+    def _wait_lane(self, other: Lane) -> None:
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -198,10 +226,10 @@ class _CudaLane(Lane):
     def record(self, event: Event) -> None:
         event._cuda.record(self.stream)
 
-    def wait(self, event: Event) -> None:
+    def _wait(self, event: Event) -> None:
         self.stream.wait_event(event._cuda)
 
-    def wait_lane(self, other: Lane) -> None:
+    def _wait_lane(self, other: Lane) -> None:
         if other is not self:
             self.stream.wait_stream(other.stream)  # type: ignore[attr-defined]
 
@@ -212,31 +240,57 @@ class _CudaLane(Lane):
 
 class _InlineLane(Lane):
     """A CPU lane whose work runs when issued, on the calling thread: always the compute lane; every lane in the
-    ``inline`` mode."""
+    ``inline`` mode.
 
-    def __init__(self, lanes: Lanes, name: str) -> None:
+    ``defer`` (the compute lane beside thread lanes): a wait on an event does not block at once. As on CUDA, where
+    the compute stream's wait is GPU-side and the host runs on, the engine's own bookkeeping after the wait (closing
+    a window, launching the host update) goes ahead while the side lane still works; the calling thread blocks in
+    :meth:`settle`, which the engine calls before it returns control to the caller (whose next forward, callbacks
+    and reads of the weights run on the compute lane). A lane that waits for this one waits for those events too.
+    """
+
+    def __init__(self, lanes: Lanes, name: str, defer: bool = False) -> None:
         self._lanes = lanes
         self.name = name
+        self._defer = defer
+        self.pending: list[Event] = []
 
     def run(self, fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+        self.settle()  # compute-lane work runs after the lane's earlier waits
         seconds = self._lanes.delay_s(self.name, None)
         if seconds:
             time.sleep(seconds)
         fn(*args, **kwargs)
 
     def record(self, event: Event) -> None:
+        self.settle()
         event._marker = _DONE
 
-    def wait(self, event: Event) -> None:
+    def _wait(self, event: Event) -> None:
+        if self._defer:
+            self.pending.append(event)
+            return
         # the calling thread is this lane: waiting for the event is blocking it (on CUDA a GPU-side wait)
         event.wait_here()
 
-    def wait_lane(self, other: Lane) -> None:
+    def _wait_lane(self, other: Lane) -> None:
         if isinstance(other, _ThreadLane):
-            other.mark().wait()
+            self._wait(_recorded(self._lanes, other))
+
+    def settle(self) -> None:
+        """Block until the events this lane waits for are done (not a host sync: on CUDA these waits are GPU-side)."""
+        while self.pending:
+            self.pending.pop(0).wait_here()
 
     def synchronize(self) -> None:
         self._lanes.count_host_sync()
+        self.settle()
+
+
+def _recorded(lanes: Lanes, lane: Lane) -> Event:
+    event = Event(lanes)
+    lane.record(event)
+    return event
 
 
 class _ThreadLane(Lane):
@@ -265,14 +319,18 @@ class _ThreadLane(Lane):
     def record(self, event: Event) -> None:
         event._marker = self.mark()
 
-    def wait(self, event: Event) -> None:
+    def _wait(self, event: Event) -> None:
         marker = event._marker  # the latest record now, as a CUDA stream's wait takes it
         if marker is not None and not marker.is_set():
             self._queue.put(("wait", marker, (), {}))
 
-    def wait_lane(self, other: Lane) -> None:
+    def _wait_lane(self, other: Lane) -> None:
         if isinstance(other, _ThreadLane) and other is not self:
             self._queue.put(("wait", other.mark(), (), {}))
+        elif isinstance(other, _InlineLane):
+            # the compute lane's work is done when issued; what it still waits for, this lane waits for too
+            for event in other.pending:
+                self._wait(event)
 
     def synchronize(self) -> None:
         self._lanes.count_host_sync()
@@ -348,7 +406,7 @@ class Lanes:
             self.d2h: Lane = _CudaLane(self, "d2h", torch.cuda.Stream(device))
             self.h2d: Lane = _CudaLane(self, "h2d", torch.cuda.Stream(device))
         else:
-            self.compute = _InlineLane(self, "compute")
+            self.compute = _InlineLane(self, "compute", defer=self.mode != "inline")
             make = _InlineLane if self.mode == "inline" else _ThreadLane
             self.side = make(self, "side")
             self.d2h = make(self, "d2h")
@@ -389,6 +447,13 @@ class Lanes:
         for lane in self.asynchronous:
             if isinstance(lane, _ThreadLane):
                 lane.drain()
+        self.settle()
+
+    def settle(self) -> None:
+        """Before control returns to the caller: the compute lane's deferred waits are done (CPU; a no-op on CUDA,
+        where the compute stream waits by itself). Not a host sync."""
+        if isinstance(self.compute, _InlineLane):
+            self.compute.settle()
 
     def read(self, lane: Lane, tensor: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
         """A CPU copy of ``tensor`` once ``lane``'s work so far is done: a host wait (counted). ``tensor`` may be a

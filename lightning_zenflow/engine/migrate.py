@@ -144,7 +144,7 @@ def _migrate_group(
     moved.h2d_bytes += entering_host.nbytes
     box: dict[str, object] = {}
     # side waits (GPU-side) for the compute lane's gradients and weights
-    lanes.side.wait_lane(lanes.compute)
+    lanes.side.wait_lane(lanes.compute, "side after compute")
     lanes.side.run(_gather_and_copy, box, plans, indices_host, sizes, leaving_host, entering_host, device)
     if ranks.sharded:
         lanes.collective(lanes.side, _share_entering_into, box, plans, ranks)

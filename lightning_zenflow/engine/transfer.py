@@ -129,8 +129,6 @@ class DeviceAccumulation:
             for s in slots
         }
         self._offsets = {(s.group_index, s.index_in_group): s.offset for s in slots}
-        self.copied_down = lanes.event()
-        """Recorded on the d2h stream after the last window-end copy: the accumulators may be overwritten."""
         self.d2h_bytes = 0
 
     def add(
@@ -138,9 +136,8 @@ class DeviceAccumulation:
     ) -> None:
         """Add this step's gradients (whole rows), on the side lane after the device update."""
         lanes = self.lanes
-        if first_in_window:
-            # side waits (GPU-side) until the last window-end copy down has read the accumulators
-            lanes.side.wait(self.copied_down)
+        # the window's first add overwrites the accumulators: the engine's side-lane wait "window copied", issued
+        # before this, orders it after the last window's copy down
         work = []
         for state in states:
             acc = self.acc_device.get((state.slot.group_index, state.slot.index_in_group))
@@ -166,13 +163,13 @@ class DeviceAccumulation:
             else:
                 acc.add_(grad2d)  # fp32 + (model dtype cast to fp32): one exact conversion, one rounding
 
-    def finish_window(self, slot: int, active: Sequence[Sequence[int]], upload_read: Event) -> Event:
-        """Copy the active matrices' accumulators down into host accumulator ``slot``; returns the copy's event."""
-        lanes = self.lanes
-        # d2h waits (GPU-side) for the side lane's adds of this window
-        lanes.d2h.wait_lane(lanes.side)
-        # and for the last upload, which may still read this slot (a model that is not fp32 stages its weights here)
-        lanes.d2h.wait(upload_read)
+    def finish_window(self, slot: int, active: Sequence[Sequence[int]]) -> None:
+        """Issue on the d2h lane the copies of the active matrices' accumulators into host accumulator ``slot``.
+
+        The engine orders them: d2h waits for the side lane's adds first (its wait "window added"), and records the
+        window's copy-down event after them. No wait for an upload that reads this slot (a model that is not fp32
+        stages its weights here): the update staged in it was landed, on the side lane after the upload's copy up,
+        by the end of the window in between, so the wait for the side lane covers it."""
         copies = []
         for group_index, indices in enumerate(active):
             host_row = self.host_buffers[group_index].grad_acc(slot)
@@ -181,9 +178,7 @@ class DeviceAccumulation:
                 offset = self._offsets[(group_index, index)]
                 copies.append((host_row[offset : offset + acc.numel()].view(acc.shape), acc))
                 self.d2h_bytes += acc.nbytes
-        lanes.d2h.run(copy_all, copies, lanes.is_cuda)
-        lanes.d2h.record(self.copied_down)
-        return self.copied_down
+        self.lanes.d2h.run(copy_all, copies, self.lanes.is_cuda)
 
     def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
         """The open window's sum of this rank's rows of one matrix, ``[host_rows, cols]`` fp32 on the CPU."""
@@ -231,7 +226,7 @@ class HostAccumulation:
         if first_in_window:
             # the open window's accumulator may be the source of the last upload (staged weights): the helper
             # thread waits for that copy up before it writes there
-            helper.submit(upload_read.wait_here)
+            helper.submit(upload_read.wait_here, "upload read")
         for state in states:
             grad = state.slot.param.grad
             n_unselected = state.slot.cols - state.k
@@ -260,12 +255,12 @@ class HostAccumulation:
                 numel = shape[0] * shape[1]
                 chunk_device = self.ring_device[ring][: numel * grad.element_size()].view(grad.dtype).view(shape)
                 chunk_host = self.ring_host[ring][: numel * grad.element_size()].view(grad.dtype).view(shape)
-                # side waits (GPU-side) until the earlier copy down from this ring slot has read it
-                lanes.side.wait(self.copied[ring])
+                # no wait for the earlier copy down from this ring slot: it was acquired only after the helper
+                # thread had added its previous contents, which it does after that copy (its wait "ring copied")
                 lanes.side.run(_gather_columns, grad2d[row_start:row_stop], state.unselected, chunk_device)
                 lanes.side.record(self.gathered[ring])
                 # d2h waits (GPU-side) for the gather into the ring slot
-                lanes.d2h.wait(self.gathered[ring])
+                lanes.d2h.wait(self.gathered[ring], "ring gathered")
                 lanes.d2h.run(copy_all, [(chunk_host, chunk_device)], lanes.is_cuda)
                 lanes.d2h.record(self.copied[ring])
                 self.d2h_bytes += numel * grad.element_size()
@@ -289,7 +284,7 @@ class HostAccumulation:
         then free its ring slot. ``acc_rows`` is contiguous: a plain streaming add."""
         try:
             # helper-thread wait for this chunk's copy down to land in the pinned slot
-            self.copied[ring].wait_here()
+            self.copied[ring].wait_here("ring copied")
             if chunk_host.dtype == torch.float32:
                 if overwrite:
                     acc_rows.copy_(chunk_host)
@@ -313,9 +308,8 @@ class HostAccumulation:
         finally:
             self._free[ring].set()
 
-    def finish_window(self, slot: int, active: Sequence[Sequence[int]], upload_read: Event) -> Event:
+    def finish_window(self, slot: int, active: Sequence[Sequence[int]]) -> None:
         """Nothing to copy: the helper thread's adds are queued before the launch that follows."""
-        return self.lanes.event()
 
     def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
         """The open window's sum of this rank's rows of one matrix, ``[host_rows, cols]`` fp32 (zero in the
@@ -408,10 +402,10 @@ class Uploads:
         lanes = self.lanes
         self.prefetch(slot, active)
         # side waits (GPU-side) for the compute lane: callbacks may have read the weights
-        lanes.side.wait_lane(lanes.compute)
+        lanes.side.wait_lane(lanes.compute, "side after compute")
         if self.buffers_device is not None:
             # side waits (GPU-side) for the copy up into the device buffers
-            lanes.side.wait(self.source_read)
+            lanes.side.wait(self.source_read, "upload arrived")
         copies, shared, states = [], [], []
         for group_index, indices in enumerate(active):
             group_states = self.device_updater.selected[group_index]
