@@ -48,7 +48,7 @@ def _mesh(ranks: Ranks, device_type: str) -> object:
     key = (device_type, ranks.world)
     if key not in _MESHES:
         # one dimension over every rank: the default process group, no new one. On GPUs a CUDA mesh whose local
-        # tensors live on the CPU, as FSDP2's CPU offloading makes them (DCP only reads their bytes and placement)
+        # tensors stay on the CPU (host_resident_dtensor), as FSDP2's CPU offloading makes them
         _MESHES[key] = init_device_mesh(device_type, (ranks.world,))
     return _MESHES[key]
 
@@ -58,11 +58,25 @@ def _row_sharded(block: torch.Tensor, rows: int, cols: int, ranks: Ranks, device
     DTensor sharded by rows (the same blocks as ``Ranks.row_range``: ``torch.chunk`` semantics)."""
     if not ranks.sharded:
         return block
+    return host_resident_dtensor(block, _mesh(ranks, device_type), rows, cols)
+
+
+def host_resident_dtensor(block: torch.Tensor, mesh: object, rows: int, cols: int) -> torch.Tensor:
+    """A row-sharded DTensor over ``mesh`` whose local tensor *is* ``block``, wherever it lives.
+
+    ``DTensor.from_local`` moves a local tensor to the mesh's device: with a CUDA mesh every host row block (up to
+    16 B per element at a checkpoint) would be copied to the GPU, and read back by DCP's writer. Built from its spec
+    instead, as FSDP2 builds its CPU-offloaded parameters, the DTensor shares ``block``'s memory (DCP reads only its
+    bytes and placement)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(
-        block, _mesh(ranks, device_type), [Shard(0)], run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1)
-    )
+    try:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor.placement_types import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(torch.Size((rows, cols)), (cols, 1), block.dtype))
+    return DTensor(block.view_as(block), spec, requires_grad=False)
 
 
 def save_sharded(
@@ -160,8 +174,9 @@ def load_sharded(
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local block of a loaded DTensor, on the CPU (the host state never belongs on the device)."""
     to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
+    return (to_local() if to_local is not None else tensor).cpu()
 
 
 def matrix_shapes(engine: ZenFlowEngine) -> dict[str, tuple[int, int]]:

@@ -5,7 +5,9 @@
 #
 #   env.txt                   the machine: nvidia-smi, driver, torch and CUDA versions, cores, memory, /dev/shm, ulimit -l
 #   gpu_stall.jsonl / .txt    benchmarks/gpu_stall.py at realistic sizes, ZenFlow rows first (one JSON line per row)
-#   gpu_tests.txt / .xml      every test marked gpu, in every test file (pytest -m gpu)
+#   gpu_tests_engine.txt/.xml    every test marked gpu, in every test file (pytest -m gpu), but Lightning's; -v: one
+#                                line per test as it finishes, so a timeout keeps what ran
+#   gpu_tests_lightning.txt/.xml the Lightning fits on CUDA
 #   gpu_stall_trace.json      a torch.profiler Chrome trace of a few ZenFlow steps (open in chrome://tracing, Perfetto)
 #   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each)
 #   steps.txt                 each step's exit status and seconds (124: it hit its timeout)
@@ -83,9 +85,15 @@ export -f machine
 export python
 run_step env 90 bash -c machine
 
-run_step gpu_stall 150 "$python" benchmarks/gpu_stall.py --device cuda --budget-s 25 --out "$out/gpu_stall.jsonl"
+# the tests first, in two steps (the engine's, then Lightning's), each test's result written as it finishes (-v
+# through tee), so a step cut off by its timeout still leaves the name and outcome of every test that ran
+run_step gpu_tests_engine 200 "$python" -m pytest tests/ -m gpu -k "not lightning" -v -rs --durations=15 \
+  -p no:cacheprovider --junitxml="$out/gpu_tests_engine.xml"
 
-run_step gpu_tests 200 "$python" -m pytest tests/ -m gpu -q -rs -p no:cacheprovider --junitxml="$out/gpu_tests.xml"
+run_step gpu_tests_lightning 150 "$python" -m pytest tests/ -m gpu -k lightning -v -rs --durations=15 \
+  -p no:cacheprovider --junitxml="$out/gpu_tests_lightning.xml"
+
+run_step gpu_stall 120 "$python" benchmarks/gpu_stall.py --device cuda --budget-s 25 --out "$out/gpu_stall.jsonl"
 
 run_step gpu_stall_profile 60 "$python" benchmarks/gpu_stall.py --device cuda --warmup-steps 8 --profile-steps 8 \
   --profile "$out/gpu_stall_trace.json"

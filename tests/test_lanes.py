@@ -419,3 +419,29 @@ def test_the_kept_count_wait_of_two_windows_ago_is_caught(mutation_baselines, mo
     run = _run(mode, torch.float32, delays={"d2h": 0.02}, update_interval=2)
     differences = _differences(run, mutation_baselines[mode])
     assert any(d.startswith("divisors") for d in differences), differences
+
+
+# ----------------------------------------------------------------------------- host state stays on the host
+def test_a_sharded_checkpoint_block_is_never_moved_to_the_mesh_device(tmp_path, monkeypatch) -> None:
+    """The review's N3: the row-sharded DTensor of a host block shares the block's memory (no ``from_local``, which
+    would copy it to a CUDA mesh's device); a one-rank gloo group gives the mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_zenflow.sharded import host_resident_dtensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("DTensor.from_local moves the block to the mesh's device")
+
+        monkeypatch.setattr(DTensor, "from_local", refuse)
+        block = torch.arange(12.0).reshape(3, 4)
+        sharded = host_resident_dtensor(block, init_device_mesh("cpu", (1,)), 3, 4)
+        assert sharded.shape == (3, 4)
+        assert sharded.to_local().data_ptr() == block.data_ptr()
+        assert sharded.to_local().device.type == "cpu"
+    finally:
+        dist.destroy_process_group()

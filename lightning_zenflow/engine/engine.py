@@ -169,6 +169,8 @@ class ZenFlowEngine:
         self._saved_affinity: set[int] | None = None
         self._saved_threads: int | None = None
         self._landings = 0
+        self.merge_cache: tuple | None = None
+        """``engine/state.py``'s merge of the state at one point of the run (a checkpoint takes two views of it)."""
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> ZenFlowEngine:
@@ -343,6 +345,7 @@ class ZenFlowEngine:
         window and is not counted in its mean (the step still advances the schedule; see docs/update_rule.md).
         """
         self._require_started()
+        self.merge_cache = None  # the state moves on
         self.helper.raise_failures()
         self.lanes.raise_failures()
         if self.accumulation is None:
@@ -378,7 +381,6 @@ class ZenFlowEngine:
             )
             self._stall_s += self._accumulation_stall() - stalled_before
         updater.end_step()
-        device_s = updater.finished_update_seconds()
         self.schedule.add_gradients([[slot.param.grad is not None for slot in group.matrices] for group in self.layout])
         self._poll_pending()
         pending = self.schedule.pending
@@ -391,6 +393,9 @@ class ZenFlowEngine:
             if not plan.warm_up and self.schedule.refresh_due():
                 self._refresh()
                 refreshed = True
+        # control goes back to the caller next, whose work runs on the compute lane after everything it waits for
+        self.lanes.settle()
+        device_s = updater.finished_update_seconds()
         self._record_step_interval()
         d2h_after, h2d_after = self._link_bytes()
         stall_at_stats = self._stall_s
@@ -414,8 +419,6 @@ class ZenFlowEngine:
         )
         self._stall_at_last_stats = stall_at_stats
         self._syncs_at_last_stats = syncs_at_stats
-        # control goes back to the caller, whose work runs on the compute lane after everything it waits for
-        self.lanes.settle()
         return self.last_stats
 
     def read_hparams(self) -> list[HyperParams]:
@@ -900,6 +903,10 @@ class ZenFlowEngine:
             state.step = int(steps)
         migrate(self.lanes, updater, self.host_buffers, [s.to(torch.long).cpu() for s in selected], self.ranks)
         self._write_unselected()
+
+    def state_point(self) -> tuple[int, int, int, int]:
+        """Where the run stands, for caching a state taken there: anything that changes the state changes this."""
+        return (self.schedule.t, self._landings, self.schedule.selections, self.schedule.steps_in_window)
 
     def is_fresh(self) -> bool:
         return self.schedule.t == 0 and self.schedule.pending is None and self.schedule.steps_in_window == 0
