@@ -2,7 +2,8 @@
 
 ``import lightning_zenflow`` registers the strategy names ``"zenflow"``, ``"zenflow_ddp"`` and
 ``"zenflow_ddp_spawn"`` (Lightning has no entry-point discovery for strategies, so the import is what makes
-``Trainer(strategy="zenflow")`` work).
+``Trainer(strategy="zenflow")`` work). ``lightning_zenflow.ZenFlowAdamW`` is ZenFlow as a torch optimizer, for any
+other training loop.
 """
 
 import importlib
@@ -10,12 +11,20 @@ import os
 from typing import Any
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.engine import HostResourceError, HostWorkerError, StepStats, ZenFlowEngine
+from lightning_zenflow.engine import (
+    HostResourceError,
+    HostWorkerError,
+    StepStats,
+    UnsupportedSetupError,
+    ZenFlowEngine,
+)
+from lightning_zenflow.optim import ZenFlowAdamW
 
 __version__ = "0.1.0"
 
 _LIGHTNING_NAMES = {
     "CheckpointError": "lightning_zenflow.strategy",
+    "ZenFlowFabricStrategy": "lightning_zenflow.fabric",
     "ZenFlowDDPStrategy": "lightning_zenflow.ddp",
     "ZenFlowPrecision": "lightning_zenflow.precision",
     "ZenFlowStrategy": "lightning_zenflow.strategy",
@@ -26,15 +35,20 @@ _LIGHTNING_NAMES = {
 # Lightning, whose import costs seconds; engine/host.py sets this variable for the child it starts. The
 # Lightning names stay importable there, lazily.
 if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_zenflow import cli_hint
     from lightning_zenflow.ddp import ZenFlowDDPStrategy
+    from lightning_zenflow.fabric import ZenFlowFabricStrategy
     from lightning_zenflow.precision import ZenFlowPrecision
     from lightning_zenflow.strategy import CheckpointError, ZenFlowStrategy
     from lightning_zenflow.telemetry import ZenFlowTelemetry
 
     ZenFlowStrategy.register_strategies(StrategyRegistry)
     ZenFlowDDPStrategy.register_strategies(StrategyRegistry)
+    ZenFlowFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+    cli_hint.install()  # your own LightningCLI: a hint when a knob is set on the short name
 else:
 
     def __getattr__(name: str) -> Any:
@@ -48,9 +62,12 @@ __all__ = [
     "HostResourceError",
     "HostWorkerError",
     "StepStats",
+    "UnsupportedSetupError",
+    "ZenFlowAdamW",
     "ZenFlowConfig",
     "ZenFlowDDPStrategy",
     "ZenFlowEngine",
+    "ZenFlowFabricStrategy",
     "ZenFlowPrecision",
     "ZenFlowStrategy",
     "ZenFlowTelemetry",

@@ -66,10 +66,12 @@ class ZenFlowConfig:
     importance: Literal["l2", "l1"] = "l2"
     """Column score used for selection: squared L2 norm of the column's gradient (the paper) or its L1 sum."""
 
-    sync_on: tuple[str, ...] = ("validation", "checkpoint")
-    """Boundaries at which host work in flight is applied so the model holds every finished update:
-    any of ``"validation"``, ``"epoch_end"``, ``"checkpoint"``. The end of training always closes the open
-    window and applies everything."""
+    sync_on: tuple[str, ...] = ()
+    """Opt-in boundaries at which host work in flight is applied early, so the model holds every finished update
+    there: any of ``"validation"``, ``"epoch_end"``, ``"checkpoint"``. Each one changes the run's numbers (an update
+    lands before its time), so none is on by default: a checkpoint carries the update in flight and resumes
+    exactly, validation sees the weights as they stand (host columns up to a window behind, as in training). The
+    end of training always closes the open window and applies everything."""
 
     host_threads: int | None = None
     """Threads of the host worker process. ``None`` gives it the cores that ``pt_reserved_cores_perc`` leaves."""

@@ -59,8 +59,8 @@ class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
         overlap_after: windows closing at steps up to this land at once (the device waits); later ones overlap.
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
-        sync_on: boundaries at which host work in flight is applied: ``"validation"``, ``"epoch_end"``,
-            ``"checkpoint"``.
+        sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
+            ``"epoch_end"``, ``"checkpoint"`` (none by default: observing a run does not change its numbers).
         host_threads: threads of each rank's host worker (``None``: its share of the rank's cores).
         pt_reserved_cores_perc: share of a rank's cores kept for its training process.
         bind_cores: pin each rank's training process and host worker to disjoint cores.
@@ -93,7 +93,7 @@ class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
         overlap_after: int = 0,
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         importance: Literal["l2", "l1"] = "l2",
-        sync_on: tuple[str, ...] | list[str] = ("validation", "checkpoint"),
+        sync_on: tuple[str, ...] | list[str] = (),
         host_threads: int | None = None,
         pt_reserved_cores_perc: float = 0.5,
         bind_cores: bool = True,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from typing_extensions import override
 
 if TYPE_CHECKING:
@@ -112,12 +112,17 @@ class ZenFlowPrecision(Precision):
         announce = self.engine.accumulate_on is None
         self.engine.step(found_inf)
         if announce:
-            # the first step decides where gradients accumulate ("auto" measures the free device memory then)
-            rank_zero_info(f"ZenFlow: {self.engine.accumulate_on_reason}.")
+            # the first step decides where gradients accumulate ("auto" measures the free device memory then); a
+            # debug line (logging "lightning.pytorch" at DEBUG shows it), also in the telemetry's accumulate_on
+            rank_zero_debug(f"ZenFlow: {self.engine.accumulate_on_reason}.")
         return closure_result
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        if self.engine is not None:
+            # backward writes the gradients (accumulating micro-batches, DDP's bucket views): GPU-side, after the
+            # engine's device work of the last step has read them
+            self.engine.wait_for_gradients()
         return self._inner.pre_backward(tensor, module)
 
     # ----------------------------------------------------------------------------------- delegation

@@ -25,8 +25,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.engine import ZenFlowEngine
-from lightning_zenflow.engine.engine import SUPPORTED_OPTIMIZERS
+from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
+from lightning_zenflow.engine.engine import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state import check_state, state_dict_mismatch, unreadable_checkpoint
 from lightning_zenflow.precision import ZenFlowPrecision
@@ -133,9 +133,18 @@ class ZenFlowStrategyBase:
         if not module.automatic_optimization:
             raise MisconfigurationException(
                 "ZenFlowStrategy owns the optimizer step and needs automatic optimization; this LightningModule sets "
-                "automatic_optimization=False. Remove that (let Lightning call backward and step), or use another "
-                "strategy for manual optimization."
+                "automatic_optimization=False. If it can, let Lightning call backward and step (remove that line and "
+                "return the loss); a module that needs manual optimization (a GAN's two optimizers, for one) keeps "
+                "it under strategy='auto' and builds each optimizer as lightning_zenflow.ZenFlowAdamW(...) instead."
             )
+        for name, submodule in module.named_modules():
+            sparse = isinstance(submodule, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and submodule.sparse
+            if sparse and submodule.weight.requires_grad:
+                raise UnsupportedSetupError(
+                    f"{name or type(submodule).__name__} is an {type(submodule).__name__} with sparse=True: its "
+                    "gradient is a sparse tensor, which ZenFlow's column split cannot take. Build it with "
+                    "sparse=False (dense gradients; AdamW needs them anyway), or freeze it."
+                )
 
     def _check_optimizers(self, trainer: pl.Trainer) -> None:
         if len(self.optimizers) != 1:
@@ -149,6 +158,7 @@ class ZenFlowStrategyBase:
                 f"ZenFlowStrategy runs {SUPPORTED_OPTIMIZERS} only; configure_optimizers returned "
                 f"{type(optimizer).__module__}.{type(optimizer).__name__}. Return torch.optim.AdamW(...) instead."
             )
+        check_optimizer(optimizer)  # an Adam/AdamW subclass whose step or state methods would be skipped
         for index, group in enumerate(optimizer.param_groups):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag, False):
@@ -189,6 +199,13 @@ class ZenFlowStrategyBase:
             self.engine.flush()
             self.engine.wait_for_update()
         super().on_train_end()
+
+    def adopt_weights(self) -> None:
+        """After editing parameters in place during fit (a weight clamp in ``on_train_batch_end``, say): make the
+        edited weights the engine's masters (:meth:`ZenFlowEngine.adopt_weights`); a no-op outside fit."""
+        if self.engine is not None:
+            self.engine.adopt_weights()
+            self.engine.wait_for_update()
 
     def sync(self) -> None:
         """Apply the host update in flight (if fitting); the model then holds every finished update."""
@@ -440,8 +457,8 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         overlap_after: windows closing at steps up to this land at once (the device waits); later ones overlap.
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
-        sync_on: boundaries at which host work in flight is applied: ``"validation"``, ``"epoch_end"``,
-            ``"checkpoint"``.
+        sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
+            ``"epoch_end"``, ``"checkpoint"`` (none by default: observing a run does not change its numbers).
         host_threads: threads of the host worker (``None``: its share of the cores).
         pt_reserved_cores_perc: share of the cores kept for the training process.
         bind_cores: pin the training process and the host worker to disjoint cores.
@@ -468,7 +485,7 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         overlap_after: int = 0,
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         importance: Literal["l2", "l1"] = "l2",
-        sync_on: tuple[str, ...] | list[str] = ("validation", "checkpoint"),
+        sync_on: tuple[str, ...] | list[str] = (),
         host_threads: int | None = None,
         pt_reserved_cores_perc: float = 0.5,
         bind_cores: bool = True,

@@ -37,6 +37,10 @@ class RunSummary:
         return self.stall_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
+TRAIN_LOSS_KEYS = ("train_loss", "train_loss_step", "train/loss", "loss", "train_loss_epoch")
+"""Where modules log their training loss, in the order the summary looks for it."""
+
+
 class ZenFlowTelemetry(Callback):
     """Logs ZenFlow's per-step telemetry and closes the run with a short summary.
 
@@ -52,7 +56,9 @@ class ZenFlowTelemetry(Callback):
         log_every_n_steps: log the per-step metrics every this many optimizer steps (refresh diagnostics
             always); ``None`` follows ``Trainer(log_every_n_steps=...)``.
         print_summary: print final loss, time and stall share when training ends.
-        loss_key: the logged metric shown as the final loss in the summary (``"val_loss"``: the last validation's).
+        loss_key: the logged metric shown as the final loss in the summary (``"val_loss"``: the last validation's);
+            ``None`` (the default) takes the training loss where the module logged it (``train_loss``, its ``_step``
+            form, ``train/loss``, ``loss``), else the loss the last training step returned.
         reference_loss: a value of ``loss_key`` to compare with, e.g. what plain AdamW reaches on the same job; the
             summary shows it and the relative gap next to the final loss.
         reference_label: how the summary names ``reference_loss``.
@@ -63,7 +69,7 @@ class ZenFlowTelemetry(Callback):
         self,
         log_every_n_steps: int | None = None,
         print_summary: bool = True,
-        loss_key: str = "train_loss",
+        loss_key: str | None = None,
         reference_loss: float | None = None,
         reference_label: str = "reference",
         reference_note: str | None = None,
@@ -81,15 +87,21 @@ class ZenFlowTelemetry(Callback):
         self.summary = RunSummary()
         self._started: float | None = None
         self._last_stats: StepStats | None = None
+        self._last_output_loss: torch.Tensor | None = None
+        self._shown_key: str | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary = RunSummary()
         self._started = time.perf_counter()
         self._last_stats = None
+        self._last_output_loss = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._last_output_loss = loss.detach()  # kept as a tensor: read once, at the end (no sync per step)
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None:  # another strategy: count its optimizer steps for the summary, nothing to log
             self.summary.steps = trainer.global_step
@@ -144,10 +156,22 @@ class ZenFlowTelemetry(Callback):
         if self._started is None:
             return
         self.summary.wall_s = time.perf_counter() - self._started
-        loss = trainer.callback_metrics.get(self.loss_key)
+        key, loss = self._final_loss(trainer)
+        self._shown_key = key
         self.summary.final_loss = float(loss) if loss is not None else None
         if self.print_summary:
             rank_zero_info(self.summary_line(zenflow=getattr(trainer.strategy, "engine", None) is not None))
+
+    def _final_loss(self, trainer: pl.Trainer) -> tuple[str | None, Any]:
+        metrics = trainer.callback_metrics
+        if self.loss_key is not None:
+            return self.loss_key, metrics.get(self.loss_key)
+        for key in TRAIN_LOSS_KEYS:
+            if key in metrics:
+                return key, metrics[key]
+        if self._last_output_loss is not None:
+            return "train_loss (last step)", self._last_output_loss
+        return None, None
 
     def summary_line(self, zenflow: bool = True) -> str:
         """The closing line: optimizer steps, time, the final loss (and its reference), and the stall share."""
@@ -159,7 +183,8 @@ class ZenFlowTelemetry(Callback):
                 gap = f", {100 * (summary.final_loss / self.reference_loss - 1):+.1f} %"
             note = f", {self.reference_note}" if self.reference_note else ""
             loss_text += f" ({self.reference_label}: {self.reference_loss:.4f}{gap}{note})"
-        line = f"{summary.steps} optimizer steps in {summary.wall_s:.1f} s, final {self.loss_key} {loss_text}"
+        shown = self._shown_key or self.loss_key or "train_loss"
+        line = f"{summary.steps} optimizer steps in {summary.wall_s:.1f} s, final {shown} {loss_text}"
         if not zenflow:
             return f"Run summary: {line}"
         return (

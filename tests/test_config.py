@@ -22,7 +22,7 @@ def test_defaults():
     assert config.full_warm_up_rounds == 10
     assert config.overlap_step is True
     assert config.importance == "l2"
-    assert config.sync_on == ("validation", "checkpoint")
+    assert config.sync_on == ()
     assert config.host_threads is None
     assert config.pt_reserved_cores_perc == 0.5
     assert config.bind_cores is True

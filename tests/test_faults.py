@@ -479,7 +479,7 @@ MID_WINDOW = {
     "select_strategy": "step",
     "select_interval": 100,
 }
-DEFAULT_SYNC = {"topk_ratio": 0.25, "update_interval": 4}
+SYNC_AT_CHECKPOINT = {"topk_ratio": 0.25, "update_interval": 4, "sync_on": ("checkpoint", "validation")}
 
 
 def _fit(knobs: dict, directory: pathlib.Path, callbacks: list[Callback], ckpt_path: pathlib.Path | None = None):
@@ -496,11 +496,11 @@ def _fit(knobs: dict, directory: pathlib.Path, callbacks: list[Callback], ckpt_p
     return module, trainer
 
 
-@pytest.mark.parametrize("knobs", [MID_WINDOW, DEFAULT_SYNC], ids=["mid_window_pending", "default_sync_on"])
+@pytest.mark.parametrize("knobs", [MID_WINDOW, SYNC_AT_CHECKPOINT], ids=["mid_window_pending", "sync_on_checkpoint"])
 def test_sigterm_ends_the_fit_cleanly_and_its_checkpoint_resumes_exactly(knobs: dict, tmp_path: pathlib.Path) -> None:
     """The notice arrives during the last batch of epoch 2: Lightning stops after it (a plain DataLoader restarts an
     interrupted epoch, so only an epoch boundary resumes exactly, with any strategy). With ``sync_on=()`` step 10
-    is 2 steps into a window with a computed host update not yet applied; the default ``sync_on`` applies it."""
+    is 2 steps into a window with a computed host update not yet applied; ``sync_on=("checkpoint", ...)`` applies it."""
     uninterrupted, _ = _fit(knobs, tmp_path / "a", [])
     handler_before = signal.getsignal(signal.SIGTERM)
     record = RecordWorkerPid()

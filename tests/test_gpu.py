@@ -656,7 +656,9 @@ class _ProbeValidationStart(Callback):
 def test_lightning_validation_sees_every_finished_host_update_on_cuda() -> None:
     probe = _ProbeValidationStart()
     _, trainer = _cuda_fit(
-        ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, overlap_step=True),
+        ZenFlowStrategy(
+            full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, overlap_step=True, sync_on=["validation"]
+        ),
         limit_val_batches=2,
         val_check_interval=3,
         num_sanity_val_steps=1,
@@ -698,8 +700,10 @@ def _checkpointed_fit(
 
 
 def test_lightning_checkpoints_sync_and_resume_exactly_on_cuda(tmp_path: pathlib.Path) -> None:
-    # with the checkpoint boundary (the default sync_on): the saved weights hold every finished update
-    synced, synced_checkpoints = _checkpointed_fit({"topk_ratio": 0.25, "update_interval": 2}, tmp_path / "synced")
+    # with the checkpoint boundary (sync_on opted in): the saved weights hold every finished update
+    synced, synced_checkpoints = _checkpointed_fit(
+        {"topk_ratio": 0.25, "update_interval": 2, "sync_on": ("checkpoint",)}, tmp_path / "synced"
+    )
     saved = torch.load(synced_checkpoints[1], map_location="cpu", weights_only=True)
     for name, entry in saved["zenflow"]["params"].items():
         assert torch.equal(saved["state_dict"][name], entry["master"]), name

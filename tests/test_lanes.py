@@ -211,7 +211,14 @@ OVERFLOW_STEP = 7
 """A 16-mixed overflow (``found_inf`` = 1) mid-window: skipped on the device, not counted in the window's mean."""
 
 
-def _run(accumulate_on: str, dtype: torch.dtype, delays: dict | None = None, steps: int = 12, **knobs) -> dict:
+def _run(
+    accumulate_on: str,
+    dtype: torch.dtype,
+    delays: dict | None = None,
+    steps: int = 12,
+    set_to_none: bool = True,
+    **knobs,
+) -> dict:
     """A weight-dependent loss with a 1-step warm-up, the first selection, refreshes, an overflowed step, a sync
     boundary, an uneven learning rate and a partial window closed by flush(); returns every visible state."""
     model = _net(dtype)
@@ -249,7 +256,7 @@ def _run(accumulate_on: str, dtype: torch.dtype, delays: dict | None = None, ste
                 group["lr"] *= 0.9
             found_inf = torch.tensor(1.0 if t == OVERFLOW_STEP else 0.0)
             engine.step(found_inf=found_inf)
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             if t == 9:
                 engine.sync()
             history.append(copy.deepcopy(model.state_dict()))
@@ -373,14 +380,15 @@ def test_steady_state_steps_make_no_host_sync(accumulate_on: str) -> None:
 
 # ------------------------------------------------------------------------------------------ the mutations
 MUTATIONS = {
-    # a wait removed -> the scenario and the producer lane slowed to expose it
-    "compute after update": ("device", {"side": 0.02}),
-    "window added": ("device", {"side": 0.02}),
-    "window copied": ("device", {"d2h": 0.02}),
-    "ring gathered": ("host", {"side": 0.02}),
-    "ring copied": ("host", {"d2h": 0.02}),
-    "upload arrived": ("device", {"h2d": 0.02}),
-    "launch: window copied": ("device", {"d2h": 0.02}),
+    # a wait removed -> the scenario, the producer lane slowed to expose it, and how the loop zeroes gradients
+    "compute after update": ("device", {"side": 0.02}, True),
+    "compute after gradients read": ("device", {"side": 0.02}, False),  # zero_grad(set_to_none=False): in place
+    "window added": ("device", {"side": 0.02}, True),
+    "window copied": ("device", {"d2h": 0.02}, True),
+    "ring gathered": ("host", {"side": 0.02}, True),
+    "ring copied": ("host", {"d2h": 0.02}, True),
+    "upload arrived": ("device", {"h2d": 0.02}, True),
+    "launch: window copied": ("device", {"d2h": 0.02}, True),
 }
 CPU_UNOBSERVABLE = {
     "side after compute": "the CPU compute lane is the calling thread: its work is done when issued",
@@ -400,11 +408,11 @@ def mutation_baselines() -> dict[str, dict]:
 
 @pytest.mark.parametrize("label", list(MUTATIONS))
 def test_removing_a_wait_changes_the_numbers(mutation_baselines, label, monkeypatch) -> None:
-    mode, delays = MUTATIONS[label]
+    mode, delays, set_to_none = MUTATIONS[label]
     monkeypatch.setenv("LIGHTNING_ZENFLOW_LANES", "adversarial")
     monkeypatch.setattr(lanes_module, "DROPPED_WAITS", frozenset({label}))
     try:
-        run = _run(mode, torch.float32, delays=delays, update_interval=2)
+        run = _run(mode, torch.float32, delays=delays, set_to_none=set_to_none, update_interval=2)
     except LaneError:
         return  # the missing wait broke the run outright (a lane read what was not there yet)
     assert _differences(run, mutation_baselines[mode]), f"dropping {label!r} went unnoticed"

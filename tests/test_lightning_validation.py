@@ -1,4 +1,5 @@
-"""Validation during fit: the ``"validation"`` sync boundary applies host work in flight before any hook or
+"""Validation during fit: by default validation sees the weights as they stand (host work stays in flight, so the
+run's numbers do not change); the opt-in ``"validation"`` boundary applies it before any hook or
 ``validation_step`` reads the weights (CPU, overlapped host updates)."""
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class _ProbeValidationStart(Callback):
 def test_validation_sees_every_finished_host_update() -> None:
     probe = _ProbeValidationStart()
     module, trainer = fit(
-        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **OVERLAPPED}),
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **OVERLAPPED}, sync_on=["validation"]),
         limit_val_batches=2,
         val_check_interval=3,
         check_val_every_n_epoch=1,
@@ -55,10 +56,10 @@ def test_validation_sees_every_finished_host_update() -> None:
 
 
 def test_without_the_validation_boundary_host_work_stays_in_flight() -> None:
-    # the control for the test above: the probe does see in-flight work when nobody syncs
+    # the default, and the control for the test above: the probe does see in-flight work when nobody syncs
     probe = _ProbeValidationStart()
     _, trainer = fit(
-        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **OVERLAPPED}, sync_on=()),
+        ZenFlowStrategy(**{"full_warm_up_rounds": 0, **OVERLAPPED}),
         max_epochs=2,
         limit_val_batches=2,
         check_val_every_n_epoch=2,

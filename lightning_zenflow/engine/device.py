@@ -144,8 +144,12 @@ class DeviceUpdater:
         self.layout = layout
         self.lanes = lanes
         self.device = lanes.device
+        self.weights_done = lanes.event()
+        """Recorded on the side lane after each write of the weights (the device update, a landing): the next
+        forward waits for it."""
         self.update_done = lanes.event()
-        """Recorded on the side lane after each step's device work (update and accumulation)."""
+        """Recorded on the side lane after each step's device work (update, accumulation, landing): the gradients
+        have been read; ``zero_grad`` and the next backward wait for it."""
         self._timing_events: collections.deque[tuple[Event, Event]] = collections.deque()
         self.device_only: list[list[DeviceOnlyState]] = []
         for group in layout:
@@ -191,12 +195,17 @@ class DeviceUpdater:
         # side waits (GPU-side) for the compute lane's backward, clipping and all-reduce
         self.lanes.side.wait_lane(self.lanes.compute, "side after compute")
 
+    def weights_written(self) -> None:
+        """Mark the side lane's writes of the weights issued so far (after the device update, after a landing)."""
+        self.lanes.side.record(self.weights_done)
+
     def end_step(self) -> None:
-        """Mark the end of this step's side-lane work; the compute lane waits for it (GPU-side) before the next
-        forward reads the weights or ``zero_grad`` touches the gradients the side lane reads."""
+        """Mark the end of this step's side-lane work. The compute lane waits (GPU-side) for the weights only: the
+        next forward overlaps the accumulation, which reads the gradients; ``zero_grad`` and the next backward
+        wait for that (:meth:`ZenFlowEngine.wait_for_gradients`)."""
         self.lanes.side.record(self.update_done)
-        # compute waits (GPU-side; on the CPU the training thread blocks) for the device update and accumulation
-        self.lanes.compute.wait(self.update_done, "compute after update")
+        # compute waits (GPU-side) for the weights the side lane wrote, before the next forward reads them
+        self.lanes.compute.wait(self.weights_done, "compute after update")
 
     def update(self, hparams: Sequence[HyperParams], found_inf: torch.Tensor | None = None) -> None:
         """Issue one device step for every group on the side lane: device-only parameters and the selected columns
@@ -221,6 +230,7 @@ class DeviceUpdater:
         side.run(self._update_groups, groups, found_inf)
         side.record(finished)
         self._timing_events.append((started, finished))
+        self.weights_written()
 
     @classmethod
     def _update_groups(cls, groups: Sequence, found_inf: torch.Tensor | None) -> None:

@@ -25,6 +25,7 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine import state as engine_state
 from lightning_zenflow.engine.device import DeviceUpdater, HyperParams
+from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import (
@@ -129,8 +130,27 @@ class ZenFlowEngine:
         self.config = config
         self.ranks = ranks or Ranks()
         self._decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-        names = {id(p): n for p, n in (param_names or {}).items()}
-        self.layout = build_layout(optimizer.param_groups, names, self.ranks)
+        self._names = {id(p): n for p, n in (param_names or {}).items()}
+        self._steps_per_epoch = steps_per_epoch
+        self._build_layout()
+        self._stage_delays = dict(stage_delays or {})
+        if host_delay_s:
+            self._stage_delays["worker"] = host_delay_s
+        self._host_fail_at = host_fail_at
+        self._worker: HostWorker | None = None
+        self._started = False
+        self._closed = False
+        self._parked: dict[str, dict] = {}
+        """The carried state of parameters that stopped training (frozen mid-fit), kept for when they come back."""
+        self._reset_run_state()
+
+    def _build_layout(self) -> None:
+        """The layout and a fresh schedule from the optimizer's param groups as they are now."""
+        for group_index, group in enumerate(self.optimizer.param_groups):
+            for position, param in enumerate(group["params"]):
+                if isinstance(param, torch.Tensor) and id(param) not in self._names:
+                    self._names[id(param)] = _unique(f"group{group_index}.param{position}", self._names.values())
+        self.layout = build_layout(self.optimizer.param_groups, self._names, self.ranks)
         params = [s.param for g in self.layout for s in g.matrices] + [
             s.param for g in self.layout for s in g.device_only
         ]
@@ -141,16 +161,18 @@ class ZenFlowEngine:
             raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}.")
         self.device = devices.pop()
         self.schedule = Schedule.create(
-            [len(g.matrices) for g in self.layout], config.full_warm_up_rounds, config.update_interval
+            [len(g.matrices) for g in self.layout], self.config.full_warm_up_rounds, self.config.update_interval
         )
-        self.schedule.refresh_every = self._refresh_period(steps_per_epoch)
-        self._stage_delays = dict(stage_delays or {})
-        if host_delay_s:
-            self._stage_delays["worker"] = host_delay_s
-        self._host_fail_at = host_fail_at
-        self._worker: HostWorker | None = None
-        self._started = False
-        self._closed = False
+        self.schedule.refresh_every = self._refresh_period(self._steps_per_epoch)
+        self._layout_signature = self._groups_signature()
+
+    def _groups_signature(self) -> tuple:
+        """What the layout depends on: each group's parameters and which of them train."""
+        return tuple(
+            tuple((id(p), bool(p.requires_grad)) for p in group["params"]) for group in self.optimizer.param_groups
+        )
+
+    def _reset_run_state(self) -> None:
         self.accumulation: DeviceAccumulation | HostAccumulation | None = None
         self.uploads: Uploads | None = None
         self._restored_window_sums: dict[str, torch.Tensor] | None = None
@@ -202,6 +224,7 @@ class ZenFlowEngine:
         self._present_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._worker: HostWorker | None = None
         self._started = True
+        self._guard_zero_grad()
         try:
             if self.device.type == "cuda":
                 self._pin_host_buffers()
@@ -212,8 +235,34 @@ class ZenFlowEngine:
             raise
         return self
 
+    def _guard_zero_grad(self) -> None:
+        """While the engine runs, the optimizer's ``zero_grad`` first waits (GPU-side) until the engine's device work
+        has read the gradients: ``zero_grad(set_to_none=False)`` zeroes them in place. Undone at close."""
+        optimizer = self.optimizer
+        self._own_zero_grad = "zero_grad" in vars(optimizer)
+        self._saved_zero_grad = optimizer.zero_grad
+
+        def zero_grad(*args: object, **kwargs: object) -> None:
+            self.wait_for_gradients()
+            return self._saved_zero_grad(*args, **kwargs)
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+    def _unguard_zero_grad(self) -> None:
+        saved = getattr(self, "_saved_zero_grad", None)
+        if saved is None:
+            return
+        if self._own_zero_grad:
+            self.optimizer.zero_grad = saved  # type: ignore[method-assign]
+        else:
+            vars(self.optimizer).pop("zero_grad", None)
+        self._saved_zero_grad = None
+
     def needs_host(self) -> bool:
-        """False only when no step can ever put work on the host (every column on the device, no warm-up)."""
+        """False when no step can ever put work on the host: no matrix at all (only 1-D parameters), or every column on
+        the device with no warm-up."""
+        if not any(group.matrices for group in self.layout):
+            return False
         if self.config.full_warm_up_rounds > 0:
             return True
         return any(
@@ -301,8 +350,14 @@ class ZenFlowEngine:
         if self._closed:
             return
         self._closed = True
+        self._release(quiet)
+
+    def _release(self, quiet: bool) -> None:
+        """Everything :meth:`start` made, released; the engine can be started again (:meth:`_rebuild`)."""
         if not self._started:
             return
+        self._started = False
+        self._unguard_zero_grad()
         helper = getattr(self, "helper", None)
         if helper is not None:
             helper.shutdown()
@@ -330,6 +385,54 @@ class ZenFlowEngine:
             self.accumulation = None
             self.uploads = None
 
+    def _rebuild(self, relayout: bool) -> None:
+        """Release everything and start again with a fresh schedule, and (``relayout``) a layout built from the
+        optimizer's param groups as they are now."""
+        self._release(quiet=False)
+        if relayout:
+            self._build_layout()
+        else:
+            refresh_every = self.schedule.refresh_every
+            self.schedule = Schedule.create(
+                [len(g.matrices) for g in self.layout], self.config.full_warm_up_rounds, self.config.update_interval
+            )
+            self.schedule.refresh_every = refresh_every
+        self._reset_run_state()
+        self.start()
+
+    def restart(self) -> None:
+        """Drop the run (host work in flight, the open window, every moment) and start fresh from the model's weights
+        as they are now: a new worker, new buffers, a new schedule. Loading a state into an engine that has stepped
+        does this first."""
+        self._require_started()
+        self._parked = {}
+        self._rebuild(relayout=self._groups_signature() != self._layout_signature)
+
+    def _follow_param_groups(self) -> None:
+        """The optimizer's param groups or the set of trainable parameters changed (``add_param_group``, a
+        ``requires_grad_`` flip): a sync boundary. The host work in flight and the open window are applied
+        (:meth:`flush`), every parameter's exact state (fp32 master, moments, per-side counts, selection) is
+        carried into a layout built from the groups as they are now, and the parameters that stopped training keep
+        theirs for when they train again. New parameters start as AdamW starts them; after warm-up, this step
+        chooses every matrix's columns again (a refresh)."""
+        check_optimizer(self.optimizer)
+        self.flush()
+        current = engine_state.carried_entries(self)
+        returning = set(self._parked)
+        carried = {**self._parked, **current}
+        old = self.schedule
+        self._rebuild(relayout=True)
+        names = {slot.name for group in self.layout for slot in group.matrices}
+        names |= {entry.name for group in self.layout for entry in group.device_only}
+        self._parked = {name: entry for name, entry in carried.items() if name not in names}
+        new_matrices = any(slot.name not in carried for group in self.layout for slot in group.matrices)
+        schedule = self.schedule
+        schedule.t, schedule.selections = old.t, old.selections
+        schedule.interval, schedule.interval_decided = old.interval, old.interval_decided
+        schedule.last_select_t = None if new_matrices else old.last_select_t
+        # a parameter that trains again starts from its weights as they are (frozen, nothing moved them but the user)
+        engine_state.carry_into(self, carried, from_weights=returning)
+
     def __enter__(self) -> ZenFlowEngine:
         return self.start()
 
@@ -348,7 +451,10 @@ class ZenFlowEngine:
         self.merge_cache = None  # the state moves on
         self.helper.raise_failures()
         self.lanes.raise_failures()
+        if self._groups_signature() != self._layout_signature:
+            self._follow_param_groups()
         if self.accumulation is None:
+            self._check_dense_gradients()
             self._choose_accumulation()
         d2h_before, h2d_before = self._link_bytes()
         self._diagnostics = None
@@ -425,9 +531,19 @@ class ZenFlowEngine:
         return [HyperParams.from_group(g, self._decoupled_default) for g in self.optimizer.param_groups]
 
     def wait_for_update(self) -> None:
-        """Before the next forward: the compute lane waits (GPU-side, no host sync) for the device update."""
+        """Before the next forward: the compute lane waits (GPU-side, no host sync) for the weights the engine
+        wrote (the device update, a landing)."""
         if self._started and not self._closed:
-            self.lanes.compute.wait(self.device_updater.update_done, "compute after update")
+            self.lanes.compute.wait(self.device_updater.weights_done, "compute after update")
+            self.lanes.settle()
+
+    def wait_for_gradients(self) -> None:
+        """Before the gradients are written again (``zero_grad``, the next backward): the compute lane waits
+        (GPU-side, no host sync) until the engine's device work has read them. The optimizer's ``zero_grad`` does
+        this by itself while the engine runs; a loop that keeps gradients between steps (accumulating into them, or
+        DDP's bucket views) calls it before backward, as the precision plugin does."""
+        if self._started and not self._closed:
+            self.lanes.compute.wait(self.device_updater.update_done, "compute after gradients read")
             self.lanes.settle()
 
     def sync(self) -> None:
@@ -437,6 +553,32 @@ class ZenFlowEngine:
         if self.schedule.pending is not None:
             self._timed_wait(self._land_pending)
         self.lanes.settle()
+
+    def adopt_weights(self) -> None:
+        """Make the model's weights as they are now the engine's fp32 masters, on both sides: call it after editing
+        parameters in place (a WGAN's weight clamp, a projection, a manual re-initialisation), which the engine's
+        masters would otherwise overwrite at the next update of each column.
+
+        A sync boundary: the host update in flight is applied first (its result is then edited too). The open
+        window's gradients stay. A model that is not fp32 gives masters rounded to its dtype. Data parallel: every
+        rank calls it, after the same edit."""
+        self._require_started()
+        self.sync()
+        self.wait_idle()
+        with torch.no_grad():
+            for group_index, host in enumerate(self.host_buffers):
+                for state in self.device_updater.selected[group_index]:
+                    slot = state.slot
+                    weights2d = slot.param.detach().view(slot.rows, slot.cols)
+                    # a blocking device -> host copy of this rank's rows: at an explicit boundary only
+                    slot.view2d(host.master).copy_(weights2d[slot.row_start : slot.row_stop])
+                    if state.k:
+                        state.master.copy_(weights2d.index_select(1, state.selected))
+                for state in self.device_updater.device_only[group_index]:
+                    if state.separate_master:
+                        state.master.copy_(state.param.detach())
+        self.merge_cache = None
+        self.lanes.synchronize()
 
     def flush(self) -> None:
         """End of training: apply what is in flight, then close the open window early (mean over the steps it
@@ -479,6 +621,17 @@ class ZenFlowEngine:
         if self._restored_window_sums is not None:
             self._restore_window_sums(self._restored_window_sums)
             self._restored_window_sums = None
+
+    def _check_dense_gradients(self) -> None:
+        """At the first step (and after a new layout): a sparse gradient cannot be split by columns."""
+        for group in self.layout:
+            for entry in (*group.matrices, *group.device_only):
+                grad = entry.param.grad
+                if grad is not None and grad.is_sparse:
+                    raise UnsupportedSetupError(
+                        f"parameter {entry.name} has a sparse gradient (an nn.Embedding(sparse=True)?), which "
+                        "ZenFlow's column split cannot take; build the module with sparse=False, or freeze it."
+                    )
 
     def _selection_device_bytes(self) -> int:
         """Device bytes the selected columns still need beyond what is held now: their fp32 master, two moments and
@@ -639,6 +792,7 @@ class ZenFlowEngine:
         self._await_pending()
         pending = self.schedule.pending
         self.uploads.land(pending.slot, pending.active)
+        self.device_updater.weights_written()
         self.device_updater.end_step()
         self.schedule.pending = None
         self._landings += 1
@@ -684,6 +838,7 @@ class ZenFlowEngine:
 
     def set_steps_per_epoch(self, steps_per_epoch: int) -> None:
         """Tell an epoch-based selection how long an epoch is (optimizer steps); the strategy does this at fit."""
+        self._steps_per_epoch = steps_per_epoch
         self.schedule.refresh_every = self._refresh_period(steps_per_epoch)
 
     @property
@@ -923,6 +1078,20 @@ def _score_and_choose(box: dict, work: list, importance: str, device: torch.devi
     box["scores"] = torch.cat(scores) if scores else torch.empty(0, device=device)
 
 
+def _innermost(function: object) -> object:
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function
+
+
+def _unique(name: str, taken: object) -> str:
+    taken = set(taken)  # type: ignore[arg-type]
+    candidate, suffix = name, 1
+    while candidate in taken:
+        candidate, suffix = f"{name}.{suffix}", suffix + 1
+    return candidate
+
+
 def _count_updates(counts: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
     """Side lane: one more update in each count (none for an overflowed 16-mixed step)."""
     for count in counts:
@@ -962,6 +1131,11 @@ def _complement(selected: torch.Tensor, cols: int) -> torch.Tensor:
 SUPPORTED_OPTIMIZERS = "torch.optim.AdamW and torch.optim.Adam"
 
 
+BYPASSED_METHODS = ("step", "state_dict", "load_state_dict")
+"""Optimizer methods the engine (and the strategy's checkpoints) never call: a subclass's own version would be
+silently skipped, so it is refused."""
+
+
 def check_optimizer(optimizer: object) -> None:
     """Raise a clear error for an optimizer the engine cannot run."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -969,6 +1143,23 @@ def check_optimizer(optimizer: object) -> None:
             f"ZenFlow runs {SUPPORTED_OPTIMIZERS} only, got {type(optimizer).__module__}.{type(optimizer).__name__}. "
             "Return torch.optim.AdamW(...) (or Adam) from configure_optimizers."
         )
+    base = torch.optim.AdamW if isinstance(optimizer, torch.optim.AdamW) else torch.optim.Adam
+    for cls in type(optimizer).__mro__:
+        if cls is base or vars(cls).get("zenflow_facade", False):
+            break  # up to AdamW/Adam itself, or lightning_zenflow.ZenFlowAdamW, whose step drives this engine
+        # torch wraps a class's step in a profiling hook at its first instance (also an inherited one): compare what
+        # is inside the wrappers
+        overridden = [
+            name
+            for name in BYPASSED_METHODS
+            if name in vars(cls) and _innermost(vars(cls)[name]) is not _innermost(getattr(base, name))
+        ]
+        if overridden:
+            raise UnsupportedSetupError(
+                f"{cls.__module__}.{cls.__qualname__} overrides {', '.join(overridden)} of {base.__name__}, which "
+                "ZenFlow never calls (its engine does the update and its state): that code would be skipped silently. "
+                f"Use torch.optim.{base.__name__} itself, and put the extra work in a callback or the training step."
+            )
     for index, group in enumerate(optimizer.param_groups):
         for flag, fix in (("amsgrad", "amsgrad=False"), ("maximize", "maximize=False (negate the loss instead)")):
             if group.get(flag, False):

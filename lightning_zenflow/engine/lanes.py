@@ -62,6 +62,7 @@ missing wait into a wrong number. Every wait the engine issues has a label (``WA
 WAIT_LABELS = (
     "side after compute",
     "compute after update",
+    "compute after gradients read",
     "window added",
     "window copied",
     "ring gathered",

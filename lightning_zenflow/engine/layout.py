@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.ranks import Ranks
 
 HOST_ROWS = 5
@@ -129,6 +130,12 @@ def build_layout(
             name = names.get(id(param), f"group{group_index}.param{position}")
             if not param.is_floating_point():
                 raise TypeError(f"parameter {name} has dtype {param.dtype}; only floating-point parameters train.")
+            if param.dtype == torch.float64:
+                raise UnsupportedSetupError(
+                    f"parameter {name} is float64; ZenFlow keeps fp32 master weights, moments and host state, which "
+                    "would round its updates. Train it in float32 (model.float(), or Trainer(precision='32-true') "
+                    "with float32 weights), or freeze it."
+                )
             if param.ndim >= 2:
                 if not param.is_contiguous():
                     raise ValueError(f"parameter {name} is not contiguous; call .contiguous() on it before training.")

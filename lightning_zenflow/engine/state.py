@@ -118,6 +118,50 @@ def engine_row_blocks(engine: ZenFlowEngine) -> dict:
     return {"version": STATE_VERSION, "params": params, "progress": engine.schedule.state_dict(), "row_blocks": True}
 
 
+def carried_entries(engine: ZenFlowEngine) -> dict[str, dict]:
+    """Every parameter's exact state as this rank holds it (row blocks of matrices; no collective), to carry into
+    a new layout of the same engine (:func:`carry_into`). Taken with nothing in flight and no open window."""
+    engine.wait_idle()
+    return _merged(engine, row_blocks=True)
+
+
+def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights: set[str] = frozenset()) -> None:
+    """Put carried states (:func:`carried_entries`) into a started engine with a new layout, by name. Parameters
+    without one start as AdamW starts them (zero moments and counts, the weights as master, on the host). Names in
+    ``from_weights`` take their master from the current weights instead of the carried one."""
+    updater = engine.device_updater
+    selected, device_steps = [], []
+    for group_index, group in enumerate(engine.layout):
+        host = engine.host_buffers[group_index]
+        for slot in group.matrices:
+            entry = entries.get(slot.name)
+            if entry is None or entry.get("kind") != "matrix":
+                selected.append(torch.empty(0, dtype=torch.long))
+                device_steps.append(0)
+                continue
+            if slot.name not in from_weights:
+                slot.view2d(host.master).copy_(entry["master"].reshape(slot.host_rows, slot.cols))
+            for key in MOMENTS:
+                slot.view2d(getattr(host, key)).copy_(entry[key].reshape(slot.host_rows, slot.cols))
+            host.step_shared[slot.index_in_group] = float(entry["host_step"])
+            selected.append(entry["selected"].to(torch.long))
+            device_steps.append(int(entry["device_step"]))
+        for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
+            entry = entries.get(device_entry.name)
+            if entry is None or entry.get("kind") != "device":
+                continue
+            with torch.no_grad():
+                if device_entry.name not in from_weights:
+                    state_entry.master.copy_(entry["master"])
+                state_entry.exp_avg.copy_(entry["exp_avg"])
+                state_entry.exp_avg_sq.copy_(entry["exp_avg_sq"])
+                if state_entry.separate_master:
+                    state_entry.param.data.copy_(state_entry.master)
+            state_entry.step = int(entry["device_step"])
+    engine.install_selection(selected, device_steps)
+    engine.synchronize_device()
+
+
 def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
     # wait for the host update in flight to finish computing; applying it now would change the run
     engine.wait_idle()
@@ -143,10 +187,12 @@ def _param_names(engine: ZenFlowEngine) -> dict[str, torch.Tensor]:
 
 
 def _check_fresh(engine: ZenFlowEngine, what: str) -> None:
+    """Loading replaces the whole state: an engine that has stepped (a Tuner's restore, a reload mid-fit) is rebuilt
+    fresh first, its work in flight dropped, its worker restarted."""
     if engine.closed:
-        raise RuntimeError("the ZenFlowEngine is not running; call start() first (and not after close()).")
+        raise RuntimeError(f"{what}: the ZenFlowEngine is not running; call start() first (and not after close()).")
     if not engine.is_fresh():
-        raise RuntimeError(f"{what} needs an engine that has not stepped yet; build a new engine to restore into.")
+        engine.restart()
 
 
 MATRIX_KEYS = ("master", "device_step", "host_step", "selected")
@@ -486,7 +532,8 @@ def torch_state_dict(engine: ZenFlowEngine) -> dict:
     engine.wait_idle()
     merged = _merged_once(engine, include_moments=True)
     by_id = {id(param): name for name, param in _param_names(engine).items()}
-    layout_state = engine.optimizer.state_dict()
+    # torch's own state_dict for the param groups (an optimizer built on the engine overrides state_dict with this)
+    layout_state = torch.optim.Optimizer.state_dict(engine.optimizer)
     state = {}
     position = 0
     for group in engine.optimizer.param_groups:

@@ -1,0 +1,1 @@
+"""Glue for training loops outside Lightning's Trainer (each module imports its own framework)."""
