@@ -158,13 +158,13 @@ class ZenFlowStrategyBase:
                 f"ZenFlowStrategy runs {SUPPORTED_OPTIMIZERS} only; configure_optimizers returned "
                 f"{type(optimizer).__module__}.{type(optimizer).__name__}. Return torch.optim.AdamW(...) instead."
             )
-        check_optimizer(optimizer)  # an Adam/AdamW subclass whose step or state methods would be skipped
         for index, group in enumerate(optimizer.param_groups):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag, False):
                     raise MisconfigurationException(
                         f"param group {index} sets {flag}=True, which ZenFlow does not support; set {flag}=False."
                     )
+        check_optimizer(optimizer)  # an Adam/AdamW subclass whose step or state methods would be skipped
         if trainer.gradient_clip_algorithm not in (None, "norm", "value"):
             raise MisconfigurationException(f"unknown gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}.")
 

@@ -248,14 +248,25 @@ def test_load_torch_state_dict_validates_exp_avg_sq_shape() -> None:
         engine.load_torch_state_dict(torch_state)
 
 
-def test_load_into_an_engine_that_already_stepped_raises(uninterrupted: Uninterrupted) -> None:
-    state, _ = uninterrupted.snapshots[6]
-    model = _net()
-    with _device_only_engine(model) as engine:
-        nn.functional.mse_loss(model(BATCHES[0][0]), BATCHES[0][1]).backward()
-        engine.step()
-        with pytest.raises(RuntimeError, match="not stepped"):
-            engine.load_state_dict(copy.deepcopy(state))
+def test_load_into_an_engine_that_already_stepped_restarts_it(uninterrupted: Uninterrupted) -> None:
+    """A restore into an engine that has run (the Tuner's restore, a retry) drops that run and continues exactly
+    as a fresh engine would from the state: bitwise the uninterrupted run."""
+    state, saved_model = uninterrupted.snapshots[6]
+    model = copy.deepcopy(saved_model)
+    opt = _optimizer(model)
+    names = {param: name for name, param in model.named_parameters()}
+    with ZenFlowEngine(opt, CONFIG, param_names=names) as engine:
+        for t in (1, 2, 3):  # a run of its own first, with host work of its own
+            _train_step(engine, model, opt, t)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(dict(saved_model.named_parameters())[name])
+        engine.load_state_dict(copy.deepcopy(state))
+        assert engine.host_in_flight  # the snapshot's update in flight, not the dropped run's
+        for t in range(7, 10):
+            _train_step(engine, model, opt, t)
+            for name, value in model.state_dict().items():
+                assert torch.equal(value, uninterrupted.history[t][name]), f"{name} after step {t}"
 
 
 def test_torch_state_dict_loads_into_plain_adamw(uninterrupted: Uninterrupted) -> None:

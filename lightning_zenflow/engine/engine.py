@@ -425,7 +425,14 @@ class ZenFlowEngine:
         names = {slot.name for group in self.layout for slot in group.matrices}
         names |= {entry.name for group in self.layout for entry in group.device_only}
         self._parked = {name: entry for name, entry in carried.items() if name not in names}
-        new_matrices = any(slot.name not in carried for group in self.layout for slot in group.matrices)
+        # a matrix new to the engine, or carried with a selection of another size (taken before the first selection,
+        # parked while frozen), is chosen again: at this step, for every matrix (after warm-up)
+        new_matrices = any(
+            slot.name not in carried
+            or carried[slot.name]["selected"].numel() != num_selected_columns(slot.cols, self.config.topk_ratio)
+            for group in self.layout
+            for slot in group.matrices
+        )
         schedule = self.schedule
         schedule.t, schedule.selections = old.t, old.selections
         schedule.interval, schedule.interval_decided = old.interval, old.interval_decided
@@ -1163,4 +1170,4 @@ def check_optimizer(optimizer: object) -> None:
     for index, group in enumerate(optimizer.param_groups):
         for flag, fix in (("amsgrad", "amsgrad=False"), ("maximize", "maximize=False (negate the loss instead)")):
             if group.get(flag, False):
-                raise ValueError(f"param group {index} sets {flag}=True, which ZenFlow does not support; use {fix}.")
+                raise UnsupportedSetupError(f"param group {index} sets {flag}=True, which ZenFlow does not support; use {fix}.")
