@@ -1170,4 +1170,6 @@ def check_optimizer(optimizer: object) -> None:
     for index, group in enumerate(optimizer.param_groups):
         for flag, fix in (("amsgrad", "amsgrad=False"), ("maximize", "maximize=False (negate the loss instead)")):
             if group.get(flag, False):
-                raise UnsupportedSetupError(f"param group {index} sets {flag}=True, which ZenFlow does not support; use {fix}.")
+                raise UnsupportedSetupError(
+                    f"param group {index} sets {flag}=True, which ZenFlow does not support; use {fix}."
+                )
