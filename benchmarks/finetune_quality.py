@@ -110,6 +110,9 @@ ABLATION_ROWS = (
         {**PAPER, "overlap_after": 16},
         "no warm-up; windows closing at steps <= 16 land at once (4 host waits), later ones overlap",
     ),
+    Row("interim-1", {"interim_step": 1.0}, "the defaults with interim moves of the host columns (interim_step 1)"),
+    Row("interim-0.5", {"interim_step": 0.5}, "the defaults with half-size interim moves"),
+    Row("paper+interim-1", {**PAPER, "interim_step": 1.0}, "the paper's rule with interim moves"),
     Row(
         "warm-up-10+refresh-16",
         {**PAPER, "full_warm_up_rounds": 10, "select_strategy": "step", "select_interval": 16},

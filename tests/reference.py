@@ -14,6 +14,8 @@ This file imports torch only: nothing from ``lightning_zenflow`` except the conf
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -138,14 +140,26 @@ class _Matrix:
         # the open window
         self.window_sum = torch.zeros_like(initial)
         self.window_grads = 0
+        # interim_step: the factored second-moment estimate of the host columns' gradients
+        self.interim_row = torch.zeros(self.rows)
+        self.interim_col = torch.zeros(self.cols)
+        self.interim_count = torch.zeros(())
 
     def grad2d(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return None if grad is None else grad.detach().float().reshape(self.rows, self.cols)
 
-    def full_host_update(self, grad2d: torch.Tensor, hp: RefHyperParams) -> None:
-        """Warm-up: every element, synchronous, both counts +1."""
+    def full_host_update(self, grad2d: torch.Tensor, hp: RefHyperParams, interim: bool) -> None:
+        """Warm-up: every element, synchronous, both counts +1. ``interim``: the weights are the masters; the host
+        computes the step alone (from a zero master, no decay) and the model decays and adds it."""
         self.host_count += 1
         self.device_count += 1
+        if interim:
+            master = torch.zeros_like(self.host_master)
+            self.host_master, self.host_exp_avg, self.host_exp_avg_sq = adam_update(
+                master, self.host_exp_avg, self.host_exp_avg_sq, grad2d, _no_decay(hp), self.host_count
+            )
+            self.shown = _landed(self.shown, self.host_master, 1.0 - hp.lr * hp.weight_decay)
+            return
         self.host_master, self.host_exp_avg, self.host_exp_avg_sq = adam_update(
             self.host_master, self.host_exp_avg, self.host_exp_avg_sq, grad2d, hp, self.host_count
         )
@@ -171,13 +185,17 @@ class _Matrix:
         self.window_sum[:, cols] += grad2d[:, cols]
         self.window_grads += 1
 
-    def host_window_update(self, hp: RefHyperParams) -> bool:
-        """Close the window on the host side: one update of the unselected columns with the mean. True if it ran."""
+    def host_window_update(self, hp: RefHyperParams, interim: bool) -> bool:
+        """Close the window on the host side: one update of the unselected columns with the mean. True if it ran.
+        ``interim``: from a zero master without decay, which leaves minus the step in the host master."""
         cols = ~self.selected
         ran = bool(cols.any()) and self.window_grads > 0
         if ran:
             mean = self.window_sum / self.window_grads
             self.host_count += 1
+            if interim:
+                self.host_master[:, cols] = 0.0
+                hp = _no_decay(hp)
             master, exp_avg, exp_avg_sq = adam_update(
                 self.host_master[:, cols],
                 self.host_exp_avg[:, cols],
@@ -192,6 +210,32 @@ class _Matrix:
         self.window_sum = torch.zeros_like(self.window_sum)
         self.window_grads = 0
         return ran
+
+    def interim_move(self, grad2d: torch.Tensor, hp: RefHyperParams, coefficient: float) -> None:
+        """``interim_step``: update the factored estimate with the host columns of this gradient, then move the
+        weights of those columns by ``-coefficient * clip(g / denom, -1, 1)`` (docs/update_rule.md)."""
+        host = (~self.selected).nonzero().flatten()
+        if host.numel() == 0:
+            return
+        g = grad2d[:, host]
+        squared = g * g
+        self.interim_row = self.interim_row * hp.beta2 + squared.mean(dim=1) * (1.0 - hp.beta2)
+        self.interim_col[host] = self.interim_col[host] * hp.beta2 + squared.mean(dim=0) * (1.0 - hp.beta2)
+        self.interim_count = self.interim_count + 1.0
+        if coefficient == 0.0:
+            return
+        correction = 1.0 - torch.pow(torch.tensor(hp.beta2, dtype=torch.float32), self.interim_count)
+        row_hat = self.interim_row / correction
+        col_hat = self.interim_col[host] / correction
+        row_scale = torch.sqrt(row_hat / torch.clamp(row_hat.mean(), min=1e-30))
+        denom = row_scale[:, None] * torch.sqrt(col_hat)[None, :] + hp.eps
+        move = torch.clamp(g / denom, -1.0, 1.0) * (-coefficient)
+        self.shown[:, host] = self.shown[:, host] + move
+
+    def weights_to_host(self) -> None:
+        """``interim_step``, before a selection: the weights of the host columns are their masters."""
+        cols = ~self.selected
+        self.host_master[:, cols] = self.shown[:, cols]
 
     def migrate(self, new_selected: torch.Tensor) -> None:
         """Device columns back to the host, then the new columns from the host. Counts do not move."""
@@ -219,6 +263,15 @@ class _Matrix:
 
     def merged(self, host: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
         return torch.where(self.selected, device, host).reshape(self.shape)
+
+
+def _no_decay(hp: RefHyperParams) -> RefHyperParams:
+    return dataclasses.replace(hp, weight_decay=0.0)
+
+
+def _landed(shown: torch.Tensor, step: torch.Tensor, scale: float) -> torch.Tensor:
+    """``interim_step``: a host update lands by scaling the weights with its decay and adding its step."""
+    return (shown if scale == 1.0 else shown * scale) + step
 
 
 @dataclass
@@ -256,6 +309,8 @@ class ReferenceZenFlow:
         self.ratio = float(config.topk_ratio)
         self.interval = config.update_interval
         self.warm_up = config.full_warm_up_rounds
+        self.interim_step = float(config.interim_step)
+        self.interim = self.interim_step > 0
         names_by_id = {id(param): name for param, name in names.items()}
         self.matrices: list[_Matrix] = []
         self.device_only: list[_DeviceOnly] = []
@@ -295,7 +350,7 @@ class ReferenceZenFlow:
             for matrix in self.matrices:
                 grad2d = matrix.grad2d(grads.get(matrix.name))
                 if grad2d is not None:
-                    matrix.full_host_update(grad2d, hparams[matrix.group])
+                    matrix.full_host_update(grad2d, hparams[matrix.group], self.interim)
             return RefStepInfo(window_end=True, selected=False, selection_changed=False)
 
         selected = changed = False
@@ -312,6 +367,9 @@ class ReferenceZenFlow:
             if matrix.selected.any():
                 matrix.device_update(grad2d, hparams[matrix.group])
             matrix.accumulate(grad2d)
+            if self.interim:
+                hp = hparams[matrix.group]
+                matrix.interim_move(grad2d, hp, self.interim_step * hp.lr * (self.interval - 1) / self.interval)
         self.steps_in_window += 1
         if self.pending is not None and self.land_at == self.t:
             self.sync()  # land_after: shown L steps after its window closed
@@ -329,8 +387,9 @@ class ReferenceZenFlow:
             self.sync()  # the previous window's update reaches the model first
         computed = {}
         for matrix in self.matrices:
-            if matrix.host_window_update(hparams[matrix.group]):
-                computed[matrix.name] = matrix.host_master.clone()
+            if matrix.host_window_update(hparams[matrix.group], self.interim):
+                hp = hparams[matrix.group]
+                computed[matrix.name] = (matrix.host_master.clone(), 1.0 - hp.lr * hp.weight_decay)
         self.steps_in_window = 0
         self.pending = computed
         land_after = self.config.land_after
@@ -342,6 +401,8 @@ class ReferenceZenFlow:
         assert self.pending is None, "migration needs every host update applied"
         changed = False
         for matrix in self.matrices:
+            if self.interim:
+                matrix.weights_to_host()
             scores = column_scores(matrix.grad2d(grads.get(matrix.name)), matrix.cols, self.config.importance)
             new_selected = choose_columns(scores, num_columns(matrix.cols, self.ratio))
             if self.t_select is not None and not torch.equal(new_selected, matrix.selected):
@@ -356,8 +417,9 @@ class ReferenceZenFlow:
         if self.pending is None:
             return
         by_name = {matrix.name: matrix for matrix in self.matrices}
-        for name, master in self.pending.items():
-            by_name[name].shown = master
+        for name, (master, scale) in self.pending.items():
+            matrix = by_name[name]
+            matrix.shown = _landed(matrix.shown, master, scale) if self.interim else master
         self.pending = None
 
     def flush(self) -> None:

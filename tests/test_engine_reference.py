@@ -83,6 +83,8 @@ class Case:
     optimizer: str  # "adam-mixed" or "adamw"
     land_after: int | None = None
     overlap_after: int = 0
+    interim: float = 0.0
+    accumulate_on: str = "auto"
 
     @property
     def id(self) -> str:
@@ -91,6 +93,8 @@ class Case:
             f"refresh{self.refresh}-{self.importance}-{self.optimizer}"
             + (f"-L{self.land_after}" if self.land_after is not None else "")
             + (f"-after{self.overlap_after}" if self.overlap_after else "")
+            + (f"-interim{self.interim}" if self.interim else "")
+            + (f"-acc{self.accumulate_on}" if self.accumulate_on != "auto" else "")
         )
 
     def config(self) -> ZenFlowConfig:
@@ -109,6 +113,8 @@ class Case:
             importance=self.importance,
             land_after=self.land_after,
             overlap_after=self.overlap_after,
+            interim_step=self.interim,
+            accumulate_on=self.accumulate_on,
         )
 
     @property
@@ -220,6 +226,16 @@ def _assert_state(engine: ZenFlowEngine, opt: torch.optim.Optimizer, params: dic
         assert (saved[name]["device_step"], saved[name]["host_step"]) == counts[name], f"counts {name} {where}"
         if name in selected:
             assert torch.equal(saved[name]["selected"], selected[name]), f"selection {name} {where}"
+    if ref.interim:  # the moves' statistics, exactly as the reference keeps them
+        for matrix in ref.matrices:
+            for key, expected in (
+                ("interim_row", matrix.interim_row),
+                ("interim_col", matrix.interim_col),
+                ("interim_count", matrix.interim_count),
+            ):
+                if matrix.interim_count > 0:
+                    got = saved[matrix.name][key]
+                    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, msg=f"{key} {matrix.name} {where}")
     torch_state = engine.torch_state_dict()["state"]
     position_names = {}
     position = 0
@@ -322,6 +338,24 @@ def test_overlap_after_equals_reference(case: Case) -> None:
     the engine as in the reference."""
     history, _ = _run_against_reference(case)
     assert sum(stats.window_end for stats, _ in history) >= 3
+
+
+INTERIM_CASES = [
+    Case(0.5, 3, 0, True, "S", "l2", "adamw", interim=1.0),  # overlap, a refresh at every window end
+    Case(0.1, 3, 2, False, "2S+1", "l1", "adamw", interim=1.0, accumulate_on="host"),  # warm-up, no overlap
+    Case(0.5, 3, 2, True, "epoch", "l2", "adamw", land_after=1, interim=0.5),
+    Case(0.0, 3, 0, True, "S", "l2", "adamw", interim=1.0, accumulate_on="host"),  # every column on the host
+    Case(0.1, 1, 0, True, "S", "l2", "adamw", interim=1.0),  # S = 1: no moves, the landing adds the step
+]
+
+
+@pytest.mark.parametrize("case", INTERIM_CASES, ids=[case.id for case in INTERIM_CASES])
+def test_interim_step_equals_reference(case: Case) -> None:
+    """``interim_step``: the host columns move at every step on the device and the host step is added when it
+    lands, in the engine as in the reference (both accumulation modes, warm-up, refresh and migration, land_after)."""
+    history, ref = _run_against_reference(case)
+    assert sum(stats.window_end for stats, _ in history) >= 3
+    assert all(m.interim_count > 0 for m in ref.matrices if m.name != "sparse.weight" and not m.selected.all())
 
 
 def test_land_after_at_the_window_length_is_the_paper_rule() -> None:

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,6 +27,7 @@ from lightning_zenflow.engine import state as engine_state
 from lightning_zenflow.engine.device import DeviceUpdater, HyperParams
 from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec
+from lightning_zenflow.engine.interim import InterimMoves
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import (
     ROW_GRAD_ACC,
@@ -140,6 +141,7 @@ class ZenFlowEngine:
         self._worker: HostWorker | None = None
         self._started = False
         self._closed = False
+        self.interim: InterimMoves | None = None
         self._parked: dict[str, dict] = {}
         """The carried state of parameters that stopped training (frozen mid-fit), kept for when they come back."""
         self._reset_run_state()
@@ -201,6 +203,7 @@ class ZenFlowEngine:
             raise RuntimeError("this ZenFlowEngine was closed; build a new one.")
         if self._started:
             return self
+        self._check_interim_weights()
         self.lanes = Lanes(self.device, self._stage_delays)
         # shared memory and RAM first: one clear error if short (for every rank on this machine)
         check_host_resources(self.layout, self.device, ranks_per_host=self.ranks.local_world)
@@ -212,6 +215,7 @@ class ZenFlowEngine:
         self._pinned: list[tuple[torch.Tensor, int]] = []
         """(block, address) of every registered span: the block keeps its pages mapped until unregistered."""
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
+        self.interim = InterimMoves(self.lanes, self.config.interim_step) if self.config.interim_step > 0 else None
         self.helper = Helper(self.lanes)
         # per matrix (layout order): gradients the open window kept (16-mixed skips an overflowed one on the
         # device, unknown to the host); copied down with the window, they are the worker's mean divisors
@@ -466,6 +470,8 @@ class ZenFlowEngine:
         d2h_before, h2d_before = self._link_bytes()
         self._diagnostics = None
         hparams = self.read_hparams()
+        if self.interim is not None:
+            _check_interim_decay(hparams)
         self.schedule.last_hparams = [asdict(h) for h in hparams]
         # torch's LR schedulers warn unless optimizer.step() ran first; this call is that step
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -493,6 +499,10 @@ class ZenFlowEngine:
                 states, self.schedule.slot, plan.first_in_window, self.helper, self.uploads.source_read
             )
             self._stall_s += self._accumulation_stall() - stalled_before
+        if self.interim is not None and not plan.warm_up:
+            with torch.profiler.record_function("zenflow.interim"):
+                self.interim.step(updater.selected, hparams, self.schedule.interval, found_inf)
+                updater.weights_written()
         updater.end_step()
         self.schedule.add_gradients([[slot.param.grad is not None for slot in group.matrices] for group in self.layout])
         self._poll_pending()
@@ -572,20 +582,40 @@ class ZenFlowEngine:
         self._require_started()
         self.sync()
         self.wait_idle()
+        self.host_masters_from_weights(device_too=True)
         with torch.no_grad():
-            for group_index, host in enumerate(self.host_buffers):
-                for state in self.device_updater.selected[group_index]:
-                    slot = state.slot
-                    weights2d = slot.param.detach().view(slot.rows, slot.cols)
-                    # a blocking device -> host copy of this rank's rows: at an explicit boundary only
-                    slot.view2d(host.master).copy_(weights2d[slot.row_start : slot.row_stop])
-                    if state.k:
-                        state.master.copy_(weights2d.index_select(1, state.selected))
+            for group_index in range(len(self.layout)):
                 for state in self.device_updater.device_only[group_index]:
                     if state.separate_master:
                         state.master.copy_(state.param.detach())
         self.merge_cache = None
         self.lanes.synchronize()
+
+    def host_masters_from_weights(self, device_too: bool = False) -> None:
+        """Set every matrix's host master (this rank's rows) from the model's weights, and (``device_too``) the
+        selected columns' device masters. Blocking device -> host copies, with nothing in flight: at a selection
+        (``interim_step``) or an explicit boundary only."""
+        self.lanes.synchronize()
+        with torch.no_grad():
+            for group_index, host in enumerate(self.host_buffers):
+                for state in self.device_updater.selected[group_index]:
+                    slot = state.slot
+                    weights2d = slot.param.detach().view(slot.rows, slot.cols)
+                    slot.view2d(host.master).copy_(weights2d[slot.row_start : slot.row_stop])
+                    if device_too and state.k:
+                        state.master.copy_(weights2d.index_select(1, state.selected))
+        self.merge_cache = None
+
+    def _check_interim_weights(self) -> None:
+        if self.config.interim_step <= 0:
+            return
+        odd = sorted({str(s.param.dtype) for g in self.layout for s in g.matrices if s.param.dtype != torch.float32})
+        if odd and self.config.topk_ratio < 1:
+            raise UnsupportedSetupError(
+                f"interim_step={self.config.interim_step} moves the weights of host columns in place, which needs "
+                f"fp32 weights; this model has matrices in {', '.join(odd)}. Train with fp32 weights (precision "
+                "'32-true' or '16-mixed'/'bf16-mixed', which keep them), or set interim_step=0."
+            )
 
     def flush(self) -> None:
         """End of training: apply what is in flight, then close the open window early (mean over the steps it
@@ -723,7 +753,11 @@ class ZenFlowEngine:
             land_at = None
             if overlap and land_after is not None and land_after < self.schedule.interval:
                 land_at = self.schedule.t + land_after
-            self.schedule.pending = PendingUpdate(slot=slot, active=active, land_at=land_at)
+            scales = None
+            if self.interim is not None:
+                # the weights are the host columns' masters: the window end's weight decay lands with the step
+                scales = [1.0 - job.hparams.lr * job.hparams.weight_decay for job in jobs]
+            self.schedule.pending = PendingUpdate(slot=slot, active=active, land_at=land_at, scales=scales)
             if not overlap:
                 self._timed_wait(self._land_pending)
         self._maybe_decide_interval()
@@ -762,6 +796,7 @@ class ZenFlowEngine:
                     packed_columns=(
                         tuple(group_states[i].slot.cols - group_states[i].k for i in active) if host_mode else None
                     ),
+                    step_only=self.interim is not None,
                 )
             )
         return jobs
@@ -798,7 +833,7 @@ class ZenFlowEngine:
     def _land_pending(self) -> None:
         self._await_pending()
         pending = self.schedule.pending
-        self.uploads.land(pending.slot, pending.active)
+        self.uploads.land(pending.slot, pending.active, pending.scales)
         self.device_updater.weights_written()
         self.device_updater.end_step()
         self.schedule.pending = None
@@ -890,6 +925,8 @@ class ZenFlowEngine:
             flat_scores = lanes.read(lanes.side, lambda: box["scores"])
             new_selected = list(torch.split(flat_indices, k_sizes))
             scores_host = list(torch.split(flat_scores, col_sizes))
+            if self.interim is not None:
+                self.host_masters_from_weights()  # the weights are the host columns' masters
             moved = migrate(self.lanes, self.device_updater, self.host_buffers, new_selected, self.ranks)
             self._refresh_bytes[0] += moved.d2h_bytes
             self._refresh_bytes[1] += moved.h2d_bytes
@@ -1072,6 +1109,16 @@ class ZenFlowEngine:
 
     def is_fresh(self) -> bool:
         return self.schedule.t == 0 and self.schedule.pending is None and self.schedule.steps_in_window == 0
+
+
+def _check_interim_decay(hparams: Sequence[HyperParams]) -> None:
+    for index, hp in enumerate(hparams):
+        if not hp.decoupled and hp.weight_decay:
+            raise UnsupportedSetupError(
+                f"param group {index} runs Adam with weight_decay={hp.weight_decay} (an L2 term in the gradient), "
+                "which interim_step cannot combine with its moves; use torch.optim.AdamW (decoupled decay) or set "
+                "interim_step=0."
+            )
 
 
 def _score_and_choose(box: dict, work: list, importance: str, device: torch.device) -> None:

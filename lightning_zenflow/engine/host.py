@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import multiprocessing.connection
 import os
 import signal
@@ -70,6 +71,10 @@ class GroupJob:
     packed_columns: tuple[int, ...] | None = None
     """``accumulate_on="host"``: per active matrix, how many columns its accumulator holds packed (``[rows, n]``
     contiguous, the columns listed in the spec's ``unselected`` buffer); None: whole ``[rows, cols]`` rows."""
+    step_only: bool = False
+    """``interim_step > 0``: the model's weights are the masters of the host columns, so the worker computes the step
+    alone: each active matrix's master region is zeroed and updated without weight decay, which leaves ``-step``
+    there; the device decays the weights and adds it when the update lands."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,11 @@ def host_adam_update(
             scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32)
         unpack_accumulators(grad_acc, extents, job, unselected, scratch)
     hp = job.hparams
+    if job.step_only:
+        hp = dataclasses.replace(hp, weight_decay=0.0)
+        for index in job.active:
+            extent = extents[index]
+            master[extent.offset : extent.offset + extent.numel].zero_()
     # one fused call per distinct divisor; grad_scale (an extra division per element) only when it is not 1.
     # A divisor of 0: every gradient of the window was skipped (16-mixed overflow): no update, staging only.
     for divisor in sorted(set(job.mean_divisors) - {0.0}):

@@ -91,6 +91,8 @@ def _merged(engine: ZenFlowEngine, row_blocks: bool = False, include_moments: bo
                 host_step=int(host.step_shared[slot.index_in_group]),
                 selected=state.selected_host.clone(),
             )
+            if engine.interim is not None:
+                entry.update(engine.interim.state_of(slot.name))
             merged[slot.name] = entry
         if not keep:
             continue
@@ -159,7 +161,21 @@ def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
+    _load_interim(engine, entries)
     engine.synchronize_device()
+
+
+def _load_interim(engine: ZenFlowEngine, entries: Mapping[str, Mapping]) -> None:
+    """``interim_step``: the moves' statistics by name, and the selected columns' device masters from the weights
+    (which are the masters there; a selection that changed at the load took host values)."""
+    if engine.interim is None:
+        return
+    with torch.no_grad():
+        for state in engine.device_updater.matrix_states():
+            engine.interim.load(entries.get(state.slot.name, {}), state)
+            if state.k:
+                weights2d = state.slot.param.detach().view(state.slot.rows, state.slot.cols)
+                state.master.copy_(weights2d.index_select(1, state.selected))
 
 
 def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
@@ -301,6 +317,14 @@ def _check_progress(engine: ZenFlowEngine, progress: Mapping) -> None:
         or any(int(i) < 0 or int(i) >= n for indices, n in zip(active, per_group) for i in indices)
     ):
         raise ValueError("the saved pending host update does not fit this model's param groups; it is corrupt.")
+    saved_interim = pending.get("scales") is not None
+    if saved_interim != (engine.interim is not None):
+        raise ValueError(
+            "the checkpoint holds a host update in flight computed "
+            + ("with interim_step > 0 (a step to add)" if saved_interim else "with interim_step=0 (new masters)")
+            + f", and this run has interim_step={engine.config.interim_step}: resume with the interim_step it was "
+            "saved with, or from a checkpoint saved at a sync boundary (sync_on=['checkpoint'])."
+        )
 
 
 def _param_shapes(engine: ZenFlowEngine) -> dict[str, tuple[int, ...]]:
@@ -369,6 +393,7 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
+    _load_interim(engine, params)
     engine.restore_window_sums(window_sums, row_blocks=row_blocks)
     pending = engine.schedule.pending
     if pending is not None:

@@ -64,6 +64,16 @@ def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: 
         target.copy_(source, non_blocking=non_blocking)
 
 
+def add_all(additions: Sequence[tuple[torch.Tensor, torch.Tensor, float]], non_blocking: bool) -> None:
+    """``dst <- dst * scale + src`` for each (a landing under ``interim_step``); a host source goes up first."""
+    for dst, src, scale in additions:
+        if src.device != dst.device:
+            src = src.to(dst.device, non_blocking=non_blocking)
+        if scale != 1.0:
+            dst.mul_(scale)
+        dst.add_(src)
+
+
 class Helper:
     """One helper thread that runs host-side stages in order (FIFO): host adds, job launches. Real on the CPU
     too, so the CPU tests run the same concurrency. Failures surface in the training thread at the next call."""
@@ -396,9 +406,10 @@ class Uploads:
         lanes.h2d.record(self.source_read)
         self._prefetched = (slot, tuple(tuple(a) for a in active))
 
-    def land(self, slot: int, active: Sequence[Sequence[int]]) -> None:
+    def land(self, slot: int, active: Sequence[Sequence[int]], scales: Sequence[float] | None = None) -> None:
         """Write the update into the parameters, then restore the selected columns from the device masters.
-        Issued on the side lane; the compute lane waits for it before the next forward."""
+        Issued on the side lane; the compute lane waits for it before the next forward. ``scales``
+        (``interim_step``): per group, the weights are scaled by it and the uploaded step is added instead."""
         lanes = self.lanes
         self.prefetch(slot, active)
         # side waits (GPU-side) for the compute lane: callbacks may have read the weights
@@ -414,14 +425,21 @@ class Uploads:
                 param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
                 own_rows = param2d[state.slot.row_start : state.slot.row_stop]
                 if self.buffers_device is not None:
-                    copies.append((own_rows, self.buffers_device[(group_index, index)]))
+                    source = self.buffers_device[(group_index, index)]
                 else:
                     source = self._source(group_index, state, slot)
-                    copies.append((own_rows, source))
                     self.h2d_bytes += source.nbytes
+                if scales is None:
+                    copies.append((own_rows, source))
+                else:
+                    copies.append((own_rows, source, scales[group_index]))
                 shared.append(param2d)
                 states.append(state)
-        lanes.side.run(copy_all, copies, lanes.is_cuda)
+        if scales is None:
+            lanes.side.run(copy_all, copies, lanes.is_cuda)
+        else:
+            # host mode: each step goes up through a temporary (allocated in the side lane's order)
+            lanes.side.run(add_all, copies, lanes.is_cuda)
         if self.buffers_device is None:
             # host mode: the side lane's copies read the host source (the master, or the staged weights)
             lanes.side.record(self.source_read)

@@ -1,0 +1,146 @@
+"""``interim_step``: exact resume with a host step in flight, the degenerate cases, and the refusals.
+
+The update rule itself is checked against ``tests/reference.py`` in ``test_engine_reference.py``
+(``test_interim_step_equals_reference``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zenflow import UnsupportedSetupError, ZenFlowConfig, ZenFlowEngine
+
+pytestmark = pytest.mark.usefixtures("no_leaked_children")
+
+STEPS = 12
+CONFIG = ZenFlowConfig(
+    topk_ratio=0.25,
+    update_interval=3,
+    full_warm_up_rounds=2,
+    select_strategy="step",
+    select_interval=6,
+    interim_step=1.0,
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 12, generator=generator), torch.randn(8, 4, generator=generator)) for _ in range(STEPS)]
+
+
+BATCHES = _batches()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _engine(model: nn.Module, opt: torch.optim.Optimizer, config: ZenFlowConfig = CONFIG) -> ZenFlowEngine:
+    return ZenFlowEngine(opt, config, param_names={p: n for n, p in model.named_parameters()})
+
+
+def _step(engine: ZenFlowEngine, model: nn.Module, opt: torch.optim.Optimizer, t: int) -> None:
+    x, y = BATCHES[t - 1]
+    nn.functional.mse_loss(model(x), y).backward()
+    engine.step()
+    opt.zero_grad()
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def test_resume_with_a_step_in_flight_is_bitwise_the_uninterrupted_run() -> None:
+    model = _model()
+    opt = _optimizer(model)
+    history = {}
+    with _engine(model, opt) as engine:
+        for t in range(1, STEPS + 1):
+            _step(engine, model, opt, t)
+            history[t] = _weights(model)
+            if t == 5:  # a window closed at 5 (W=2, S=3): its host step is in flight
+                assert engine.host_in_flight
+                snapshot = (copy.deepcopy(engine.state_dict()), copy.deepcopy(model))
+        engine.flush()
+        final = _weights(model)
+    state, saved_model = snapshot
+    assert state["progress"]["pending"]["scales"] is not None
+    model = saved_model
+    opt = _optimizer(model)
+    with _engine(model, opt) as engine:
+        engine.load_state_dict(copy.deepcopy(state))
+        for t in range(6, STEPS + 1):
+            _step(engine, model, opt, t)
+            for name, value in model.state_dict().items():
+                assert torch.equal(value, history[t][name]), f"{name} after step {t}"
+        engine.flush()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, final[name]), f"{name} after the final flush"
+
+
+def test_the_moves_change_the_run_and_vanish_at_s1() -> None:
+    """The knob matters where S > 1 (a test that it is wired), and with S = 1 it is the paper's rule bitwise."""
+
+    def run(config: ZenFlowConfig) -> dict[str, torch.Tensor]:
+        model = _model()
+        opt = _optimizer(model)
+        with _engine(model, opt, config) as engine:
+            for t in range(1, 9):
+                _step(engine, model, opt, t)
+            engine.flush()
+        return _weights(model)
+
+    paper = run(ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2))
+    moved = run(ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2, interim_step=1.0))
+    assert not torch.equal(paper["0.weight"], moved["0.weight"])
+    paper_s1 = run(ZenFlowConfig(topk_ratio=0.25, update_interval=1, full_warm_up_rounds=2))
+    moved_s1 = run(ZenFlowConfig(topk_ratio=0.25, update_interval=1, full_warm_up_rounds=2, interim_step=1.0))
+    for name, value in paper_s1.items():
+        # the same arithmetic but for where the weight decay is applied: equal to float rounding
+        torch.testing.assert_close(moved_s1[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_pending_update_of_the_other_rule_is_refused_before_loading() -> None:
+    model = _model()
+    opt = _optimizer(model)
+    paper_config = ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2)
+    with _engine(model, opt, paper_config) as engine:
+        for t in range(1, 6):
+            _step(engine, model, opt, t)
+        assert engine.host_in_flight
+        state = copy.deepcopy(engine.state_dict())
+    model = _model()
+    opt = _optimizer(model)
+    with _engine(model, opt) as engine, pytest.raises(ValueError, match="resume with the interim_step it was saved"):
+        engine.load_state_dict(state)
+
+
+def test_non_fp32_weights_are_refused_at_start() -> None:
+    model = _model().to(torch.bfloat16)
+    opt = _optimizer(model)
+    with pytest.raises(UnsupportedSetupError, match="needs fp32 weights.*interim_step=0"):
+        _engine(model, opt).start()
+
+
+def test_adam_with_l2_weight_decay_is_refused() -> None:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with _engine(model, opt) as engine:
+        x, y = BATCHES[0]
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(UnsupportedSetupError, match="AdamW .decoupled decay. or set interim_step=0"):
+            engine.step()
+
+
+@pytest.mark.parametrize("value", [-0.5, 5.0, True, "1"])
+def test_bad_values_are_refused(value: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="interim_step"):
+        ZenFlowConfig(interim_step=value)
