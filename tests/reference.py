@@ -15,7 +15,6 @@ This file imports torch only: nothing from ``lightning_zenflow`` except the conf
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
