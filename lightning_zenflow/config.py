@@ -57,13 +57,14 @@ class ZenFlowConfig:
     device waits for them, as with ``overlap_step=False``); later ones overlap. A cheaper start than a warm-up: one
     host wait per window instead of one synchronous step per step. 0: every window overlaps (the paper's rule)."""
 
-    interim_step: float = 0.0
+    interim_step: float | Literal["auto"] = "auto"
     """Moves the host columns between host updates: at every step after warm-up each weight of an unselected column
     moves by ``interim_step * lr * (S - 1) / S`` times its gradient over a factored (per-row x per-column, Adafactor-
     style) estimate of its RMS, clipped to [-1, 1], on the device; the host's AdamW step then lands on top (added,
-    not overwritten). 0 is the paper's rule (a host column moves only when its host update lands). Needs fp32
-    weights for matrices with host columns (``32-true`` or a ``*-mixed`` precision) and AdamW-style weight decay.
-    Device cost: O(rows + columns) fp32 per matrix and a few passes over the host columns' gradient per step."""
+    not overwritten). It closes most of the gap to AdamW that the window costs (docs/update_rule.md). 0 is the
+    paper's rule (a host column moves only when its host update lands). A number > 0 needs fp32 weights for the
+    matrices (``32-true`` or a ``*-mixed`` precision) and AdamW-style weight decay. ``"auto"``: 1 where those hold
+    and S > 1, else 0. Device cost: O(rows + columns) fp32 per matrix, a few passes over the host gradient a step."""
 
     accumulate_on: Literal["auto", "device", "host"] = "auto"
     """Where the window's unselected gradient columns are summed. ``"device"``: an fp32 accumulator on the
@@ -168,9 +169,11 @@ class ZenFlowConfig:
                     f"land_after={self.land_after} is longer than update_interval={self.update_interval}: an update "
                     "lands at the latest at the next window end; use land_after <= update_interval (or None)."
                 )
-        if isinstance(self.interim_step, bool) or not isinstance(self.interim_step, (int, float)):
-            raise TypeError(f"interim_step must be a number >= 0, got {self.interim_step!r}.")
-        if not (0.0 <= float(self.interim_step) <= 4.0):
+        if self.interim_step == "auto":
+            pass
+        elif isinstance(self.interim_step, bool) or not isinstance(self.interim_step, (int, float)):
+            raise TypeError(f"interim_step must be a number >= 0 or 'auto', got {self.interim_step!r}.")
+        elif not (0.0 <= float(self.interim_step) <= 4.0):
             raise ValueError(
                 f"interim_step={self.interim_step} is outside [0, 4]: 0 is the paper's rule, 1 moves the host columns "
                 "about as far between host updates as AdamW would (docs/update_rule.md)."

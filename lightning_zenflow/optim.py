@@ -82,7 +82,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         overlap_step: bool = True,
         land_after: int | None = None,
         overlap_after: int = 0,
-        interim_step: float = 0.0,
+        interim_step: float | Literal["auto"] = "auto",
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         importance: Literal["l2", "l1"] = "l2",
         host_threads: int | None = None,

@@ -308,8 +308,6 @@ class ReferenceZenFlow:
         self.ratio = float(config.topk_ratio)
         self.interval = config.update_interval
         self.warm_up = config.full_warm_up_rounds
-        self.interim_step = float(config.interim_step)
-        self.interim = self.interim_step > 0
         names_by_id = {id(param): name for param, name in names.items()}
         self.matrices: list[_Matrix] = []
         self.device_only: list[_DeviceOnly] = []
@@ -322,6 +320,8 @@ class ReferenceZenFlow:
                     self.matrices.append(_Matrix(name, param, group_index))
                 else:
                     self.device_only.append(_DeviceOnly(name, param, group_index))
+        self.interim_step = self._interim_step(param_groups, config)
+        self.interim = self.interim_step > 0
         if config.select_strategy == "step":
             self.refresh_period: int | None = int(config.select_interval)
         else:
@@ -336,6 +336,19 @@ class ReferenceZenFlow:
         self.land_at: int | None = None
         """``land_after``: the step at whose end ``pending`` is shown (None: the next window end)."""
         self.selection_changes = 0
+
+    def _interim_step(self, param_groups: Sequence[Mapping], config: ZenFlowConfig) -> float:
+        """``"auto"``: 1 with windows longer than one step, host columns, fp32 matrices and no Adam L2 term."""
+        if config.interim_step != "auto":
+            return float(config.interim_step)
+        groups = [RefHyperParams.read(group) for group in param_groups]
+        applies = (
+            config.update_interval != 1
+            and self.ratio < 1
+            and all(matrix.dtype == torch.float32 for matrix in self.matrices)
+            and all(hp.decoupled or hp.weight_decay == 0 for hp in groups)
+        )
+        return 1.0 if applies else 0.0
 
     # ------------------------------------------------------------------------------------------- the rule
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> RefStepInfo:

@@ -98,10 +98,10 @@ def test_the_moves_change_the_run_and_vanish_at_s1() -> None:
             engine.flush()
         return _weights(model)
 
-    paper = run(ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2))
+    paper = run(ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2, interim_step=0))
     moved = run(ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2, interim_step=1.0))
     assert not torch.equal(paper["0.weight"], moved["0.weight"])
-    paper_s1 = run(ZenFlowConfig(topk_ratio=0.25, update_interval=1, full_warm_up_rounds=2))
+    paper_s1 = run(ZenFlowConfig(topk_ratio=0.25, update_interval=1, full_warm_up_rounds=2, interim_step=0))
     moved_s1 = run(ZenFlowConfig(topk_ratio=0.25, update_interval=1, full_warm_up_rounds=2, interim_step=1.0))
     for name, value in paper_s1.items():
         # the same arithmetic but for where the weight decay is applied: equal to float rounding
@@ -111,7 +111,7 @@ def test_the_moves_change_the_run_and_vanish_at_s1() -> None:
 def test_a_pending_update_of_the_other_rule_is_refused_before_loading() -> None:
     model = _model()
     opt = _optimizer(model)
-    paper_config = ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2)
+    paper_config = ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2, interim_step=0)
     with _engine(model, opt, paper_config) as engine:
         for t in range(1, 6):
             _step(engine, model, opt, t)
@@ -133,14 +133,26 @@ def test_non_fp32_weights_are_refused_at_start() -> None:
 def test_adam_with_l2_weight_decay_is_refused() -> None:
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
-    with _engine(model, opt) as engine:
-        x, y = BATCHES[0]
-        nn.functional.mse_loss(model(x), y).backward()
-        with pytest.raises(UnsupportedSetupError, match="AdamW .decoupled decay. or set interim_step=0"):
-            engine.step()
+    with pytest.raises(UnsupportedSetupError, match="AdamW .decoupled decay. or set interim_step=0"):
+        _engine(model, opt).start()
 
 
-@pytest.mark.parametrize("value", [-0.5, 5.0, True, "1"])
+def test_auto_is_on_where_it_applies_and_off_elsewhere() -> None:
+    def scale(model: nn.Module, opt: torch.optim.Optimizer, **knobs: object) -> float:
+        with _engine(model, opt, ZenFlowConfig(full_warm_up_rounds=0, **knobs)) as engine:
+            return engine.interim_scale
+
+    assert scale(_model(), _optimizer(_model())) == 1.0
+    model = _model()
+    assert scale(model, _optimizer(model), update_interval=1) == 0.0  # nothing to move between updates
+    assert scale(model, _optimizer(model), topk_ratio=1.0) == 0.0  # no host columns
+    bf16 = _model().to(torch.bfloat16)
+    assert scale(bf16, _optimizer(bf16)) == 0.0  # bf16 weights: the paper's rule
+    assert scale(model, torch.optim.Adam(model.parameters(), weight_decay=0.1)) == 0.0  # an L2 term
+    assert scale(model, torch.optim.Adam(model.parameters())) == 1.0
+
+
+@pytest.mark.parametrize("value", [-0.5, 5.0, True, "1", "on"])
 def test_bad_values_are_refused(value: object) -> None:
     with pytest.raises((TypeError, ValueError), match="interim_step"):
         ZenFlowConfig(interim_step=value)

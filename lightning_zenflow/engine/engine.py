@@ -203,7 +203,7 @@ class ZenFlowEngine:
             raise RuntimeError("this ZenFlowEngine was closed; build a new one.")
         if self._started:
             return self
-        self._check_interim_weights()
+        self.interim_scale = self._resolve_interim()
         self.lanes = Lanes(self.device, self._stage_delays)
         # shared memory and RAM first: one clear error if short (for every rank on this machine)
         check_host_resources(self.layout, self.device, ranks_per_host=self.ranks.local_world)
@@ -215,7 +215,7 @@ class ZenFlowEngine:
         self._pinned: list[tuple[torch.Tensor, int]] = []
         """(block, address) of every registered span: the block keeps its pages mapped until unregistered."""
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
-        self.interim = InterimMoves(self.lanes, self.config.interim_step) if self.config.interim_step > 0 else None
+        self.interim = InterimMoves(self.lanes, self.interim_scale) if self.interim_scale > 0 else None
         self.helper = Helper(self.lanes)
         # per matrix (layout order): gradients the open window kept (16-mixed skips an overflowed one on the
         # device, unknown to the host); copied down with the window, they are the worker's mean divisors
@@ -606,16 +606,31 @@ class ZenFlowEngine:
                         state.master.copy_(weights2d.index_select(1, state.selected))
         self.merge_cache = None
 
-    def _check_interim_weights(self) -> None:
-        if self.config.interim_step <= 0:
-            return
+    def _resolve_interim(self) -> float:
+        """``interim_step`` as a number: an explicit one is checked against the model (fp32 weights, AdamW-style
+        decay); ``"auto"`` is 1 where those hold and windows are longer than one step, else 0 (the paper's rule)."""
+        value = self.config.interim_step
         odd = sorted({str(s.param.dtype) for g in self.layout for s in g.matrices if s.param.dtype != torch.float32})
+        hparams = self.read_hparams()
+        if value == "auto":
+            applies = (
+                self.config.update_interval != 1
+                and self.config.topk_ratio < 1
+                and not odd
+                and all(hp.decoupled or not hp.weight_decay for hp in hparams)
+            )
+            return 1.0 if applies else 0.0
+        value = float(value)
+        if value <= 0:
+            return 0.0
+        _check_interim_decay(hparams)
         if odd and self.config.topk_ratio < 1:
             raise UnsupportedSetupError(
                 f"interim_step={self.config.interim_step} moves the weights of host columns in place, which needs "
                 f"fp32 weights; this model has matrices in {', '.join(odd)}. Train with fp32 weights (precision "
                 "'32-true' or '16-mixed'/'bf16-mixed', which keep them), or set interim_step=0."
             )
+        return value
 
     def flush(self) -> None:
         """End of training: apply what is in flight, then close the open window early (mean over the steps it
