@@ -274,7 +274,12 @@ def test_an_overflowed_step_is_skipped_on_the_device_without_a_host_read(accumul
     flags = [0.0, 1.0, 0.0, 0.0]
     opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
     config = ZenFlowConfig(
-        full_warm_up_rounds=0, topk_ratio=0.0, update_interval=4, overlap_step=False, accumulate_on=accumulate_on
+        full_warm_up_rounds=0,
+        topk_ratio=0.0,
+        update_interval=4,
+        overlap_step=False,
+        accumulate_on=accumulate_on,
+        interim_step=0,  # the paper's rule: one host step per window (the interim moves: the next test)
     )
     with ZenFlowEngine(opt, config, param_names={p: n for n, p in layer.named_parameters()}) as engine:
         for step_grads, flag in zip(grads, flags):
@@ -297,6 +302,32 @@ def test_an_overflowed_step_is_skipped_on_the_device_without_a_host_read(accumul
     torch.testing.assert_close(layer.bias.detach(), bias.detach(), atol=1e-6, rtol=1e-5)
     assert (saved["weight"]["host_step"], saved["bias"]["device_step"]) == (1, 3)
     assert all(torch.isfinite(entry["exp_avg_sq"]).all() for entry in saved.values())
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_an_overflowed_step_makes_no_interim_move(accumulate_on):
+    """With ``interim_step``, an overflowed step moves no host column and leaves the moves' statistics alone."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.25, update_interval=4, interim_step=1.0, accumulate_on=accumulate_on
+    )
+    with ZenFlowEngine(opt, config, param_names={p: n for n, p in layer.named_parameters()}) as engine:
+        for flag in (0.0, 0.0, 1.0):
+            for param in layer.parameters():
+                param.grad = torch.randn_like(param) if not flag else torch.full_like(param, float("nan"))
+            before = layer.weight.detach().clone()
+            stats_before = engine.interim.state_of("weight")
+            engine.step(found_inf=torch.tensor(flag))
+            engine.wait_for_update()
+            moved = not torch.equal(layer.weight.detach(), before)
+            assert moved == (not flag), f"flag {flag}"
+        after = engine.interim.state_of("weight")
+        for key, value in stats_before.items():
+            assert torch.equal(after[key], value), key
+        assert float(after["interim_count"]) == 2.0
+        assert torch.isfinite(layer.weight).all()
 
 
 def test_a_window_whose_every_gradient_overflowed_changes_nothing():

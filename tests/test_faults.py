@@ -339,7 +339,14 @@ def test_engine_state_that_does_not_fit_is_refused_before_loading(
 
 # ------------------------------------------------------------------------------------- knobs on resume
 COLUMNS = 20
-BASE = {"update_interval": 4, "select_strategy": "step", "select_interval": 100, "accumulate_on": "device"}
+# the paper's rule (interim_step=0): these check the host masters it keeps (tests/test_interim.py: the interim moves)
+BASE = {
+    "update_interval": 4,
+    "select_strategy": "step",
+    "select_interval": 100,
+    "accumulate_on": "device",
+    "interim_step": 0,
+}
 
 
 def _knob_engine(topk_ratio: float, **knobs: Any) -> tuple[nn.Linear, ZenFlowEngine]:

@@ -6,6 +6,7 @@ The update rule itself is checked against ``tests/reference.py`` in ``test_engin
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -108,19 +109,49 @@ def test_the_moves_change_the_run_and_vanish_at_s1() -> None:
         torch.testing.assert_close(moved_s1[name], value, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_a_pending_update_of_the_other_rule_is_refused_before_loading() -> None:
+def _saved_at_step_5(config: ZenFlowConfig) -> tuple[dict, nn.Module]:
     model = _model()
     opt = _optimizer(model)
-    paper_config = ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2, interim_step=0)
-    with _engine(model, opt, paper_config) as engine:
+    with _engine(model, opt, config) as engine:
         for t in range(1, 6):
             _step(engine, model, opt, t)
         assert engine.host_in_flight
-        state = copy.deepcopy(engine.state_dict())
-    model = _model()
+        return copy.deepcopy(engine.state_dict()), copy.deepcopy(model)
+
+
+def _landed(state: dict, saved_model: nn.Module, config: ZenFlowConfig) -> dict[str, torch.Tensor]:
+    """The weights once the saved update in flight has landed, resumed under ``config``."""
+    model = copy.deepcopy(saved_model)
     opt = _optimizer(model)
-    with _engine(model, opt) as engine, pytest.raises(ValueError, match="resume with the interim_step it was saved"):
-        engine.load_state_dict(state)
+    with _engine(model, opt, config) as engine:
+        engine.load_state_dict(copy.deepcopy(state))
+        engine.sync()
+        if config.topk_ratio == 1.0:
+            # every column on the device: the update was taken into the device masters, which the weights show from
+            # the next step on
+            masters = engine.state_dict(include_moments=False)["params"]
+            return {name: masters[name]["master"] for name in _weights(model)}
+        return _weights(model)
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"interim_step": 0}, {"topk_ratio": 1.0}, {"topk_ratio": 0.5, "interim_step": 0}], ids=str
+)
+def test_a_step_in_flight_lands_the_same_under_another_rule(knobs: dict) -> None:
+    """Resuming with other knobs: a host step saved under interim moves lands as it would have (the weights, decayed,
+    plus the step), whatever the resumed run's rule; and a state saved under the paper's rule resumes under interim."""
+    state, saved_model = _saved_at_step_5(CONFIG)
+    expected = _landed(state, saved_model, CONFIG)
+    other = dataclasses.replace(CONFIG, **knobs)
+    got = _landed(state, saved_model, other)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-7, rtol=1e-6, msg=name)
+    paper = dataclasses.replace(CONFIG, interim_step=0)
+    state, saved_model = _saved_at_step_5(paper)
+    expected = _landed(state, saved_model, paper)
+    got = _landed(state, saved_model, CONFIG)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-7, rtol=1e-6, msg=name)
 
 
 def test_non_fp32_weights_are_refused_at_start() -> None:

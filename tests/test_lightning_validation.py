@@ -14,8 +14,9 @@ from lightning_zenflow import ZenFlowStrategy
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
-OVERLAPPED = {"topk_ratio": 0.25, "update_interval": 2, "overlap_step": True}
-"""A host update is in flight for most of every window (8 steps per epoch, windows of 2)."""
+OVERLAPPED = {"topk_ratio": 0.25, "update_interval": 2, "overlap_step": True, "interim_step": 0}
+"""A host update is in flight for most of every window (8 steps per epoch, windows of 2). The paper's rule, whose
+host masters are the weights once everything landed (with interim moves the weights are the masters always)."""
 
 
 class _ProbeValidationStart(Callback):

@@ -493,16 +493,17 @@ class ZenFlowEngine:
                 counts = [state.step_count for state in states if state.slot.param.grad is not None]
                 self.lanes.side.run(_count_updates, counts, found_inf)
             self._count_kept(states, plan.first_in_window, found_inf)
+        if self.interim is not None and not plan.warm_up:
+            # before the accumulation: the next forward waits for these weights, not for the accumulation's reads
+            with torch.profiler.record_function("zenflow.interim"):
+                self.interim.step(updater.selected, hparams, self.schedule.interval, found_inf)
+                updater.weights_written()
         with torch.profiler.record_function("zenflow.accumulate"):
             stalled_before = self._accumulation_stall()
             self.accumulation.add(
                 states, self.schedule.slot, plan.first_in_window, self.helper, self.uploads.source_read
             )
             self._stall_s += self._accumulation_stall() - stalled_before
-        if self.interim is not None and not plan.warm_up:
-            with torch.profiler.record_function("zenflow.interim"):
-                self.interim.step(updater.selected, hparams, self.schedule.interval, found_inf)
-                updater.weights_written()
         updater.end_step()
         self.schedule.add_gradients([[slot.param.grad is not None for slot in group.matrices] for group in self.layout])
         self._poll_pending()
@@ -762,8 +763,6 @@ class ZenFlowEngine:
             self.accumulation.finish_window(slot, active)
             lanes.d2h.run(copy_all, [(self._kept_host[slot], self._kept_device)], lanes.is_cuda)
             lanes.d2h.record(self._window_copied[slot])
-            # queued after this window's adds on the helper thread (host mode); it waits for the copy down
-            self._launch_future = self.helper.submit(self._launch, slot, jobs)
             land_after = self.config.land_after
             land_at = None
             if overlap and land_after is not None and land_after < self.schedule.interval:
@@ -771,13 +770,17 @@ class ZenFlowEngine:
             scales = None
             if self.interim is not None:
                 # the weights are the host columns' masters: the window end's weight decay lands with the step
-                scales = [1.0 - job.hparams.lr * job.hparams.weight_decay for job in jobs]
-            self.schedule.pending = PendingUpdate(slot=slot, active=active, land_at=land_at, scales=scales)
+                # (per active matrix; the launch sets 1 where every gradient of the window was skipped)
+                scales = [[1.0 - job.hparams.lr * job.hparams.weight_decay] * len(job.active) for job in jobs]
+            pending = PendingUpdate(slot=slot, active=active, land_at=land_at, scales=scales)
+            self.schedule.pending = pending
+            # queued after this window's adds on the helper thread (host mode); it waits for the copy down
+            self._launch_future = self.helper.submit(self._launch, slot, jobs, pending)
             if not overlap:
                 self._timed_wait(self._land_pending)
         self._maybe_decide_interval()
 
-    def _launch(self, slot: int, jobs: list[GroupJob]) -> None:
+    def _launch(self, slot: int, jobs: list[GroupJob], pending: PendingUpdate) -> None:
         if self._worker is None:
             raise RuntimeError("internal error: host work was scheduled but no host worker is running.")
         # helper-thread wait: the window's accumulators and kept counts have landed on the host. That copy down
@@ -788,10 +791,16 @@ class ZenFlowEngine:
         kept = self._kept_host[slot].tolist()
         first = 0
         with_divisors = []
-        for group, job in zip(self.layout, jobs):
+        for group_index, (group, job) in enumerate(zip(self.layout, jobs)):
             divisors = tuple(float(kept[first + i]) for i in job.active)
             with_divisors.append(dataclasses.replace(job, mean_divisors=divisors))
             first += len(group.matrices)
+            if pending.scales is not None:
+                # a matrix whose every gradient was skipped (16-mixed) is not updated, and so not decayed either;
+                # read at the landing, which waits for this launch first
+                pending.scales[group_index] = [
+                    1.0 if divisor == 0.0 else scale for divisor, scale in zip(divisors, pending.scales[group_index])
+                ]
         self._worker.submit(slot, with_divisors)
 
     def _host_jobs(self, hparams: list[HyperParams], counts: list[list[int]]) -> list[GroupJob]:
@@ -848,6 +857,10 @@ class ZenFlowEngine:
     def _land_pending(self) -> None:
         self._await_pending()
         pending = self.schedule.pending
+        if self.uploads is None:
+            # a restored update applied before the first step (a sync right after a load): no upload buffers yet,
+            # so it goes up from the host as in host mode
+            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, None, self.ranks)
         self.uploads.land(pending.slot, pending.active, pending.scales)
         self.device_updater.weights_written()
         self.device_updater.end_step()

