@@ -223,7 +223,7 @@ class _Matrix:
         self.interim_count = self.interim_count + 1.0
         if coefficient == 0.0:
             return
-        correction = 1.0 - torch.pow(torch.tensor(hp.beta2, dtype=torch.float32), self.interim_count)
+        correction = 1.0 - torch.pow(hp.beta2, self.interim_count)
         row_hat = self.interim_row / correction
         col_hat = self.interim_col[host] / correction
         row_scale = torch.sqrt(row_hat / torch.clamp(row_hat.mean(), min=1e-30))

@@ -126,7 +126,7 @@ def factored_moves(
         count.add_(keep)
     if coefficient == 0.0:
         return None
-    correction = 1.0 - torch.pow(torch.tensor(beta2, dtype=torch.float32, device=count.device), count)
+    correction = 1.0 - torch.pow(beta2, count)  # a Python base: no host-to-device copy on CUDA
     row_hat = row / correction
     col_hat = col.index_select(0, unselected) / correction
     row_scale = (row_hat / row_hat.mean().clamp_min(1e-30)).sqrt()
