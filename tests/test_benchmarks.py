@@ -294,3 +294,18 @@ def test_gpu_stall_cpu_smoke(tmp_path: pathlib.Path) -> None:
         assert 0.0 <= row["stall_share"] <= 1.0
         assert row["d2h_bytes_per_step"] == pytest.approx(matrix_elements * d2h_per_element)
         assert row["h2d_bytes_per_step"] == pytest.approx(matrix_elements * 4 / 4)
+
+
+def test_real_lm_quick(tmp_path: pathlib.Path) -> None:
+    """The real-LLM benchmark's smoke run: a tiny random Llama on byte tokens (no download), AdamW against ZenFlow
+    through the Trainer, the held-out curve and the paired gap."""
+    pytest.importorskip("transformers")
+    stdout, result, _ = run_quick("real_lm", tmp_path)
+    rows = {run["row"]: run for run in result["runs"]}
+    assert set(rows) == {"adamw", "zenflow"}
+    for run in rows.values():
+        assert math.isfinite(run["final_heldout_loss"])
+        assert run["final_heldout_loss"] < result["base_heldout_loss"], f"{run['row']} did not learn"
+    gap = 100 * (rows["zenflow"]["final_heldout_loss"] / rows["adamw"]["final_heldout_loss"] - 1)
+    assert rows["zenflow"]["gap_to_adamw_pct"] == pytest.approx(gap, rel=1e-6, abs=1e-9)
+    assert "gap to adamw" in stdout
