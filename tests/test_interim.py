@@ -88,7 +88,7 @@ def test_resume_with_a_step_in_flight_is_bitwise_the_uninterrupted_run() -> None
 
 
 def test_the_moves_change_the_run_and_vanish_at_s1() -> None:
-    """The knob matters where S > 1 (a test that it is wired), and with S = 1 it is the paper's rule bitwise."""
+    """The knob matters where S > 1 (a test that it is wired); with S = 1 it is the paper's rule to float rounding."""
 
     def run(config: ZenFlowConfig) -> dict[str, torch.Tensor]:
         model = _model()
