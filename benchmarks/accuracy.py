@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import pathlib
 import sys
 import time
 from typing import Any
 
+import bench_train
 import bench_utils
 import torch
 
@@ -42,11 +42,14 @@ RUNS = ("adamw", "zenflow", "sync-offload")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model and few steps: a < 60 s smoke run.")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
-    parser.add_argument("--plot", action="store_true", help="also write a PNG of the eval-loss curves.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        quick="tiny model and few steps: a < 60 s smoke run.",
+        plot="also write a PNG of the eval-loss curves.",
+        seed="",
+    )
     parser.add_argument("--pretrain-steps", type=int, default=None, help="default 300 (quick 30).")
     parser.add_argument("--finetune-steps", type=int, default=None, help="default 200 (quick 24).")
     parser.add_argument("--eval-every", type=int, default=None, help="default 25 (quick 8).")
@@ -77,31 +80,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ZenFlow run: refresh the selection every N steps (select_strategy='step'); default: the engine's "
         "default, which outside a Trainer selects once, at step 1.",
     )
-    args = parser.parse_args(argv)
-    defaults = {
-        "pretrain_steps": (300, 30),
-        "finetune_steps": (200, 24),
-        "eval_every": (25, 8),
-        "eval_batches": (16, 4),
-        "batch_size": (16, 8),
-        "block_size": (128, 64),
-        "n_layer": (4, 2),
-        "n_embd": (128, 64),
-        "n_head": (4, 2),
-        "max_bytes": (2_000_000, 400_000),
-    }
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    return args
-
-
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
-    """The demo's two groups: matrices and embeddings with weight decay 0.1, biases and norms without."""
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return bench_utils.apply_quick_defaults(
+        parser.parse_args(argv),
+        {
+            "pretrain_steps": (300, 30),
+            "finetune_steps": (200, 24),
+            "eval_every": (25, 8),
+            "eval_batches": (16, 4),
+            "batch_size": (16, 8),
+            "block_size": (128, 64),
+            "n_layer": (4, 2),
+            "n_embd": (128, 64),
+            "n_head": (4, 2),
+            "max_bytes": (2_000_000, 400_000),
+        },
+    )
 
 
 def zenflow_config(args: argparse.Namespace) -> ZenFlowConfig:
@@ -130,27 +123,15 @@ def data_module(args: argparse.Namespace, part: str, steps: int) -> ByteCorpusDa
     return module
 
 
-@torch.no_grad()
-def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    model.eval()
-    losses = [model(x, y)[1].item() for x, y in batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
 def pretrain(args: argparse.Namespace, config: GPTConfig, data: ByteCorpusDataModule) -> tuple[GPT, list[float], float]:
     torch.manual_seed(args.seed)
     model = GPT(config)
-    optimizer = make_optimizer(model, args.pretrain_lr)
-    losses = []
+    optimizer = bench_train.demo_adamw(model.parameters(), args.pretrain_lr)
     started = time.perf_counter()
-    for x, y in data.train_dataloader():
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return model, losses, time.perf_counter() - started
+    curve = bench_train.train(
+        model, optimizer, bench_train.AdamWStep(optimizer), data.train_dataloader(), steps=args.pretrain_steps
+    )
+    return model, curve.train_loss, time.perf_counter() - started
 
 
 def finetune(
@@ -166,66 +147,46 @@ def finetune(
     torch.manual_seed(args.seed)
     model = GPT(config)
     model.load_state_dict(torch.load(pretrained_path, weights_only=True))
-    optimizer = make_optimizer(model, args.finetune_lr)
-    engine: ZenFlowEngine | None = None
-    pin = None
-    if run == "adamw":
-        # the engine runs pin the training process to train_cores with that many threads; the control does the same
-        pin = bench_utils.pinned(train_cores, len(train_cores))
-        pin.__enter__()
-    else:
+    optimizer = bench_train.demo_adamw(model.parameters(), args.finetune_lr)
+    engine_config = None
+    if run != "adamw":
         engine_config = (
             zenflow_config(args)
             if run == "zenflow"
             else ZenFlowConfig(topk_ratio=0.0, update_interval=1, overlap_step=False)
         )
-        engine = ZenFlowEngine(optimizer, engine_config, param_names={p: n for n, p in model.named_parameters()})
-        engine.start()
-    eval_steps, eval_losses, train_losses = [0], [evaluate(model, eval_batches)], []
-    stall_s = 0.0
-    started = time.perf_counter()
-    try:
-        for step, (x, y) in enumerate(data.train_dataloader(), start=1):
-            if engine is not None:
-                engine.wait_for_update()  # the forward reads weights the last device update wrote
-            _, loss = model(x, y)
-            loss.backward()
-            if engine is None:
-                optimizer.step()
-            else:
-                stall_s += engine.step().stall_s
-            optimizer.zero_grad(set_to_none=True)
-            train_losses.append(loss.item())
-            last = step == args.finetune_steps
-            if step % args.eval_every == 0 or last:
-                if engine is not None:
-                    # apply host work in flight (sync) or everything (flush, at the end) before measuring the model
-                    engine.flush() if last else engine.sync()
-                    engine.wait_for_update()
-                eval_steps.append(step)
-                eval_losses.append(evaluate(model, eval_batches))
-    finally:
-        if engine is not None:
-            engine.close()
-        if pin is not None:
-            pin.__exit__(None, None, None)
+
+    def engine() -> ZenFlowEngine:
+        return ZenFlowEngine(optimizer, engine_config, param_names={p: n for n, p in model.named_parameters()})
+
+    with bench_train.stepping(optimizer, None if engine_config is None else engine, train_cores) as stepper:
+        curve = bench_train.train(
+            model,
+            optimizer,
+            stepper,
+            data.train_dataloader(),
+            steps=args.finetune_steps,
+            eval_every=args.eval_every,
+            evaluate=lambda: bench_train.evaluate(model, eval_batches),
+        )
+        used = getattr(stepper, "engine", None)
     return {
         "run": run,
         "config": None
-        if engine is None
+        if used is None
         else {
-            "topk_ratio": engine.config.topk_ratio,
-            "update_interval": engine.config.update_interval,
-            "overlap_step": engine.config.overlap_step,
-            "select_strategy": engine.config.select_strategy,
-            "select_interval": engine.config.select_interval,
+            "topk_ratio": used.config.topk_ratio,
+            "update_interval": used.config.update_interval,
+            "overlap_step": used.config.overlap_step,
+            "select_strategy": used.config.select_strategy,
+            "select_interval": used.config.select_interval,
         },
-        "eval_steps": eval_steps,
-        "eval_loss": eval_losses,
-        "train_loss": train_losses,
-        "final_eval_loss": eval_losses[-1],
-        "wall_s": time.perf_counter() - started,
-        "stall_s": stall_s,
+        "eval_steps": curve.eval_steps,
+        "eval_loss": curve.eval_loss,
+        "train_loss": curve.train_loss,
+        "final_eval_loss": curve.eval_loss[-1],
+        "wall_s": time.perf_counter() - curve.started,
+        "stall_s": curve.stall_s,
         "weights_checksum": float(sum(p.detach().double().abs().sum() for p in model.parameters())),
     }
 
@@ -244,11 +205,12 @@ def plot(results: dict[str, dict[str, Any]], path: pathlib.Path, title: str) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    info = bench_utils.machine_info(torch.device("cpu"))
+    info = bench_utils.announce(
+        "accuracy: fine-tuning parity of ZenFlow and synchronous offload against AdamW, one run, same data order",
+        torch.device("cpu"),
+    )
     train_cores, host_cores = ZenFlowConfig().core_split()
     config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size)
-    print("accuracy: fine-tuning parity of ZenFlow and synchronous offload against AdamW, one run, same data order")
-    print(f"machine: {bench_utils.describe_machine(info)}")
     print(
         f"model: GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} block={args.block_size}; "
         f"batch {args.batch_size}; seed {args.seed}; corpus: Python stdlib sources, first {args.max_bytes} bytes, "
@@ -332,29 +294,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{sync_curve_gap:.2e} -> {'ok' if sync_ok else 'LARGER THAN 1e-4: the offload path differs from AdamW'}"
     )
 
-    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    payload = {
-        "benchmark": "accuracy",
-        "command": bench_utils.command_line(),
-        "machine": info,
-        "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-        "n_params": n_params,
-        "cores": {"training_process": train_cores, "host_worker": host_cores},
-        "pretrain": {
+    payload = bench_utils.payload(
+        "accuracy",
+        info,
+        settings=bench_utils.settings_of(args),
+        n_params=n_params,
+        cores={"training_process": train_cores, "host_worker": host_cores},
+        pretrain={
             "steps": args.pretrain_steps,
             "train_loss_first": pretrain_losses[0],
             "train_loss_last": pretrain_losses[-1],
             "seconds": pretrain_s,
             "checkpoint": str(pretrained_path),
         },
-        "runs": results,
-        "final_gap_percent": gaps,
-        "parity_tolerance_percent": 100 * PARITY_TOLERANCE,
-        "zenflow_within_tolerance": within,
-        "sync_offload_max_relative_difference": sync_curve_gap,
-        "sync_offload_matches_adamw": sync_ok,
-    }
-    bench_utils.write_json(args.out, payload)
+        runs=results,
+        final_gap_percent=gaps,
+        parity_tolerance_percent=100 * PARITY_TOLERANCE,
+        zenflow_within_tolerance=within,
+        sync_offload_max_relative_difference=sync_curve_gap,
+        sync_offload_matches_adamw=sync_ok,
+    )
+    bench_utils.write_results(args.out, payload)
     if args.plot:
         title = (
             f"GPT {n_params / 1e6:.2f}M, fine-tune {args.finetune_steps} steps after {args.pretrain_steps} "

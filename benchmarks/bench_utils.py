@@ -1,10 +1,22 @@
-"""Shared helpers of the benchmark scripts: machine description, core pinning, statistics, tables, JSON, plots.
+"""The frame every benchmark script shares: arguments, the machine line, core pinning, statistics, tables, the JSON
+footer, plots.
 
-Not a benchmark itself. The scripts import it as ``bench_utils`` (Python puts the script's folder on ``sys.path``).
+Not a benchmark itself. The scripts import it as ``bench_utils`` (Python puts the script's folder on ``sys.path``);
+training loops and optimizer setup that several scripts share are in ``bench_train``. A script's frame::
+
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="...")   # --quick, --out (and --seed, --plot, --device)
+    ...                                                                  # the script's own flags
+    args = parser.parse_args(argv)
+    bench_utils.apply_quick_defaults(args, {"steps": (200, 24)})        # flags left unset: full or quick value
+    info = bench_utils.announce("name: what it measures", device)       # the title and the machine line
+    ...                                                                  # what the script measures
+    bench_utils.write_results(args.out, bench_utils.payload("name", info, runs=...))
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -13,13 +25,68 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 
+# ------------------------------------------------------------------------------------------------------- arguments
+def make_parser(description: str | None) -> argparse.ArgumentParser:
+    """The script's parser; ``--help`` prints ``description`` (the module docstring) as written."""
+    return argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_common_args(
+    parser: argparse.ArgumentParser,
+    *,
+    out: pathlib.Path,
+    out_help: str = "JSON output path.",
+    quick: str | None = None,
+    seed: str | None = None,
+    plot: str | None = None,
+    device: Sequence[str] | None = None,
+    device_help: str | None = None,
+) -> None:
+    """The flags several scripts share, with each script's default and help text.
+
+    ``--out`` (``out`` is the default path) always; ``--quick`` when ``quick`` (its help) is given; ``--seed``
+    (int, default 0) when ``seed`` is given ("" for no help text); ``--plot`` when ``plot`` (its help) is given;
+    ``--device`` when ``device`` lists the choices (the first is the default).
+    """
+    if device is not None:
+        parser.add_argument("--device", choices=tuple(device), default=device[0], help=device_help)
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", type=pathlib.Path, default=out, help=out_help)
+    if plot is not None:
+        parser.add_argument("--plot", action="store_true", help=plot)
+    if seed is not None:
+        parser.add_argument("--seed", type=int, default=0, help=seed or None)
+
+
+def apply_quick_defaults(args: argparse.Namespace, defaults: Mapping[str, tuple[Any, Any]]) -> argparse.Namespace:
+    """Every flag of ``defaults`` (``{dest: (full, quick)}``) left unset (None) takes its full or its --quick value."""
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def whole_windows(steps: int, interval: int) -> int:
+    """``steps`` rounded up to a multiple of ``interval`` (at least one window): warm-up and measurement end at window
+    ends, so bytes per step and stall are window averages."""
+    return interval * math.ceil(max(steps, 1) / interval)
+
+
+def settings_of(args: argparse.Namespace, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """The parsed arguments for the JSON (paths as strings), less ``skip``."""
+    return {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items() if k not in skip}
+
+
+# --------------------------------------------------------------------------------------------------- the machine
 def cpu_model_name() -> str:
     """The CPU model from ``/proc/cpuinfo`` (Linux), else what ``platform`` knows."""
     with contextlib.suppress(OSError):
@@ -85,9 +152,38 @@ def describe_machine(info: dict[str, Any]) -> str:
     return text
 
 
+def announce(title: str, device: torch.device) -> dict[str, Any]:
+    """Print the script's title and the machine line (what it runs on); return the machine info for the JSON."""
+    info = machine_info(device)
+    print(title)
+    print(f"machine: {describe_machine(info)}")
+    return info
+
+
+def load_average() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def git_revision() -> str | None:
+    """The commit of the checkout, marked when the package's files differ from it (None outside a git checkout)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "lightning_zenflow"], cwd=root, capture_output=True, text=True
+        )
+        if head.returncode == 0:
+            return head.stdout.strip() + (" (lightning_zenflow modified)" if dirty.stdout.strip() else "")
+    return None
+
+
 @contextlib.contextmanager
-def pinned(cores: Sequence[int], threads: int) -> Iterator[None]:
-    """Run the block on ``cores`` with ``threads`` torch threads; restore both afterwards."""
+def pinned(cores: Sequence[int], threads: int | None = None) -> Iterator[None]:
+    """Run the block on ``cores`` with ``threads`` torch threads (default: one per core); restore both afterwards.
+
+    The engine pins its training process this way; the reference rows of a comparison do the same, so forward and
+    backward get the same compute in every row."""
+    threads = len(cores) if threads is None else threads
     saved_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     saved_threads = torch.get_num_threads()
     try:
@@ -114,6 +210,17 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def pm(values: Sequence[float], digits: int, suffix: str = "") -> str:
+    """``mean ± std`` of ``values`` (the mean alone for one value); a signed mean when ``suffix`` is ``" %"``."""
+    mean, std = mean_std(values)
+    sign = "+" if suffix == " %" else ""
+    return f"{mean:{sign}.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}") + suffix
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -176,6 +283,38 @@ def append_jsonl(path: pathlib.Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(_json_safe(record)) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def write_partial(path: pathlib.Path, payload: dict[str, Any]) -> None:
+    """Write what a long run has measured so far next to ``path`` (``<out>.partial.json``), quietly."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".partial.json").write_text(json.dumps(_json_safe(payload)))
+
+
+def payload(benchmark: str, info: dict[str, Any], *, revision: bool = False, **results: Any) -> dict[str, Any]:
+    """A result file: the benchmark's name, the command line, the checkout's revision (when asked), the machine
+    (with the date the run started) and then ``results`` in the order given."""
+    head: dict[str, Any] = {"benchmark": benchmark, "command": command_line()}
+    if revision:
+        head["revision"] = git_revision()
+    return {**head, "machine": info, **results}
+
+
+def write_results(path: pathlib.Path, result: dict[str, Any]) -> None:
+    """Write a ``payload`` to ``path``: the machine's load average at the end is recorded first (unless the script
+    already did), and a partial file of the same run is removed."""
+    if isinstance(result.get("machine"), dict):
+        result["machine"].setdefault("load_average_at_end", load_average())
+    write_json(path, result)
+    path.with_suffix(".partial.json").unlink(missing_ok=True)
+
+
+def report_failures(failures: Sequence[Mapping[str, Any]], noun: str, label: Callable[[Mapping[str, Any]], str]) -> int:
+    """Name the failed configurations (``noun``: what failed) and return the exit status: 1 if any failed, else 0."""
+    if not failures:
+        return 0
+    print(f"{len(failures)} {noun} failed: " + "; ".join(f"{label(f)}: {f['error']}" for f in failures))
+    return 1
 
 
 def matplotlib_pyplot() -> Any | None:

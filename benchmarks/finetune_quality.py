@@ -39,14 +39,13 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
+import bench_train
 import bench_utils
 import torch
 
@@ -127,11 +126,14 @@ ABLATION_ROWS = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, few steps, one seed: a < 20 s smoke run.")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        quick="tiny model, few steps, one seed: a < 20 s smoke run.",
+        plot="also write a PNG: held-out loss vs step and vs time.",
+    )
     parser.add_argument("--cache", type=pathlib.Path, default=DEFAULT_CACHE, help="folder of cached base models.")
-    parser.add_argument("--plot", action="store_true", help="also write a PNG: held-out loss vs step and vs time.")
     parser.add_argument("--list-rows", action="store_true", help="print the rows and exit.")
     parser.add_argument("--seeds", type=int, default=None, help="seeds of the main rows (default 3; quick 1).")
     parser.add_argument("--ablation-seeds", type=int, default=None, help="seeds of each ablation (default 2; quick 1).")
@@ -164,27 +166,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-blocks", type=int, default=None, help="held-out blocks per evaluation (128; quick 8).")
     parser.add_argument("--probe-every", type=int, default=None, help="gradient statistics period (16; quick 8).")
     parser.add_argument("--max-files", type=int, default=None, help="stdlib files read (default all; quick 40).")
-    args = parser.parse_args(argv)
-    defaults = {
-        "seeds": (3, 1),
-        "ablation_seeds": (2, 1),
-        "n_layer": (4, 2),
-        "n_embd": (128, 32),
-        "n_head": (4, 2),
-        "block_size": (128, 32),
-        "pretrain_steps": (800, 40),
-        "pretrain_batch": (16, 8),
-        "finetune_steps": (150, 16),
-        "finetune_batch": (8, 4),
-        "finetune_warmup": (10, 2),
-        "eval_every": (25, 8),
-        "eval_blocks": (128, 8),
-        "probe_every": (16, 8),
-        "max_files": (None, 40),
-    }
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    args = bench_utils.apply_quick_defaults(
+        parser.parse_args(argv),
+        {
+            "seeds": (3, 1),
+            "ablation_seeds": (2, 1),
+            "n_layer": (4, 2),
+            "n_embd": (128, 32),
+            "n_head": (4, 2),
+            "block_size": (128, 32),
+            "pretrain_steps": (800, 40),
+            "pretrain_batch": (16, 8),
+            "finetune_steps": (150, 16),
+            "finetune_batch": (8, 4),
+            "finetune_warmup": (10, 2),
+            "eval_every": (25, 8),
+            "eval_blocks": (128, 8),
+            "probe_every": (16, 8),
+            "max_files": (None, 40),
+        },
+    )
     if args.ablations is None:
         args.ablations = [] if args.quick else [row.name for row in ABLATION_ROWS]
     if args.main_rows is None:
@@ -276,20 +277,16 @@ def eval_set(tokens: torch.Tensor, blocks: int, block: int, batch: int) -> list[
     return [windows(tokens, chunk, block) for chunk in starts.split(batch)]
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    model.eval()
-    losses = [model(x, y)[1].item() for x, y in batches]
-    model.train()
-    return sum(losses) / len(losses)
+def gpt(args: argparse.Namespace) -> torch.nn.Module:
+    """A fresh demo GPT of the command line's shape (Lightning is imported here, not at the script's top level)."""
+    from lightning_zenflow.demo import GPT, GPTConfig
+
+    return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size))
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
-    """The demo's two groups: matrices and embeddings with weight decay 0.1, biases and norms without."""
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False)
+    """The demo's AdamW (``bench_train.demo_adamw``) with the plain per-parameter loop (foreach and fused off)."""
+    return bench_train.demo_adamw(model.parameters(), lr, foreach=False, fused=False)
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, warmup: int, kind: str, steps: int) -> Any:
@@ -318,8 +315,6 @@ def pretrain_settings(args: argparse.Namespace, corpora: Corpora) -> dict[str, A
 
 def load_or_pretrain(args: argparse.Namespace, corpora: Corpora) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The base model's state dict and a record of how it was made; pre-trains and caches it when missing."""
-    from lightning_zenflow.demo import GPT, GPTConfig
-
     settings = pretrain_settings(args, corpora)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = args.cache / f"base_{key}.pt"
@@ -330,27 +325,26 @@ def load_or_pretrain(args: argparse.Namespace, corpora: Corpora) -> tuple[dict[s
         print(f"base: cached {path.name} (pre-trained in {record['seconds']:.0f} s)")
         return saved["model"], record
     torch.manual_seed(settings["seed"])
-    config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size)
-    model = GPT(config)
+    model = gpt(args)
     optimizer = make_optimizer(model, args.pretrain_lr)
     scheduler = lr_schedule(optimizer, settings["warmup"], "cosine", args.pretrain_steps)
     starts = random_batches(corpora.code_train, args.pretrain_steps, args.pretrain_batch, args.block_size, 0, "pre")
     threads = args.pretrain_threads
     print(f"base: pre-training {args.pretrain_steps} steps on {threads} thread(s) (cached afterwards) ...", flush=True)
-    losses = []
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     started = time.perf_counter()
     try:
-        for step_starts in starts:
-            _, loss = model(*windows(corpora.code_train, step_starts, args.block_size))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            losses.append(loss.item())
-            if len(losses) % 100 == 0:
-                print(f"  step {len(losses)}: train loss {statistics.fmean(losses[-100:]):.3f}", flush=True)
+        losses = bench_train.train(
+            model,
+            optimizer,
+            bench_train.AdamWStep(optimizer),
+            starts,
+            steps=args.pretrain_steps,
+            scheduler=scheduler,
+            batch_of=lambda step_starts: windows(corpora.code_train, step_starts, args.block_size),
+            log_every=100,
+        ).train_loss
     finally:
         torch.set_num_threads(saved_threads)
     seconds = time.perf_counter() - started
@@ -450,74 +444,62 @@ class Setting:
     train_cores: list[int]
     steps_per_epoch: int
 
+    def batch(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fine-tuning batch of windows of the prose corpus starting at ``starts``."""
+        return windows(self.corpora.prose_train, starts, self.args.block_size)
+
+    def start(self, seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW, Any, torch.Tensor]:
+        """A fine-tune's model (the base), optimizer, lr schedule and batch starts (fixed by ``seed``)."""
+        args = self.args
+        torch.manual_seed(seed)
+        model = gpt(args)
+        model.load_state_dict(self.base)
+        optimizer = make_optimizer(model, args.finetune_lr)
+        scheduler = lr_schedule(optimizer, args.finetune_warmup, args.finetune_schedule, args.finetune_steps)
+        starts = random_batches(
+            self.corpora.prose_train, args.finetune_steps, args.finetune_batch, args.block_size, seed, "fine"
+        )
+        return model, optimizer, scheduler, starts
+
+
+def build_setting(args: argparse.Namespace, corpora: Corpora, base: dict[str, torch.Tensor]) -> Setting:
+    """The fine-tunes' shared inputs: the held-out prose blocks, the engine's training cores, the epoch length."""
+    eval_batches = eval_set(corpora.prose_heldout, args.eval_blocks, args.block_size, 16)
+    steps_per_epoch = max(1, corpora.prose_train.numel() // (args.finetune_batch * args.block_size))
+    train_cores, _ = ZenFlowConfig().core_split()
+    return Setting(args, base, corpora, eval_batches, train_cores, steps_per_epoch)
+
 
 def finetune(row: Row, seed: int, setting: Setting) -> dict[str, Any]:
     """One fine-tune from the base: held-out loss at step 0, every ``eval_every`` steps and at the end."""
-    from lightning_zenflow.demo import GPT, GPTConfig
-
     args = setting.args
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size))
-    model.load_state_dict(setting.base)
-    optimizer = make_optimizer(model, args.finetune_lr)
-    scheduler = lr_schedule(optimizer, args.finetune_warmup, args.finetune_schedule, args.finetune_steps)
-    starts = random_batches(
-        setting.corpora.prose_train, args.finetune_steps, args.finetune_batch, args.block_size, seed, "fine"
-    )
+    model, optimizer, scheduler, starts = setting.start(seed)
     config = None if row.knobs is None else ZenFlowConfig(**row.knobs)
-    eval_steps, eval_loss, eval_train_s, train_loss, selections, probes = [], [], [], [], [], []
-    stall_s = train_s = 0.0
-    with contextlib.ExitStack() as stack:
-        engine = None
-        if config is None:
-            # the engine pins the training process to train_cores with that many threads; the reference does the same
-            stack.enter_context(bench_utils.pinned(setting.train_cores, len(setting.train_cores)))
-        else:
-            engine = stack.enter_context(
-                ZenFlowEngine(
-                    optimizer,
-                    config,
-                    param_names={p: n for n, p in model.named_parameters()},
-                    steps_per_epoch=setting.steps_per_epoch,
-                )
-            )
-        eval_steps.append(0)
-        eval_loss.append(evaluate(model, setting.eval_batches))
-        eval_train_s.append(0.0)
-        for step, step_starts in enumerate(starts, start=1):
-            started = time.perf_counter()
-            if engine is not None:
-                engine.wait_for_update()  # the forward reads weights the last device update wrote
-            _, loss = model(*windows(setting.corpora.prose_train, step_starts, args.block_size))
-            loss.backward()
-            if engine is None:
-                train_s += time.perf_counter() - started
-                if step == 1 or step % args.probe_every == 0:
-                    previous = probes[-1]["matrices"] if probes else None
-                    first = probes[0]["matrices"] if probes else None
-                    probes.append({"step": step, "matrices": probe(matrix_grads(model), previous, first)})
-                started = time.perf_counter()
-                optimizer.step()
-            else:
-                stats = engine.step()
-                stall_s += stats.stall_s
-                if stats.refreshed:
-                    selections.append(
-                        {"step": step, "overlap": stats.selection_overlap, "captured": stats.selection_captured}
-                    )
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            train_loss.append(loss.item())
-            train_s += time.perf_counter() - started
-            last = step == args.finetune_steps
-            if step % args.eval_every == 0 or last:
-                if engine is not None:
-                    # apply host work in flight (sync) or everything (flush, at the end) before measuring the model
-                    engine.flush() if last else engine.sync()
-                    engine.wait_for_update()
-                eval_steps.append(step)
-                eval_loss.append(evaluate(model, setting.eval_batches))
-                eval_train_s.append(train_s)
+    probes: list[dict[str, Any]] = []
+
+    def record_probe(step: int) -> None:
+        if step == 1 or step % args.probe_every == 0:
+            previous = probes[-1]["matrices"] if probes else None
+            first = probes[0]["matrices"] if probes else None
+            probes.append({"step": step, "matrices": probe(matrix_grads(model), previous, first)})
+
+    def engine() -> ZenFlowEngine:
+        names = {p: n for n, p in model.named_parameters()}
+        return ZenFlowEngine(optimizer, config, param_names=names, steps_per_epoch=setting.steps_per_epoch)
+
+    with bench_train.stepping(optimizer, None if config is None else engine, setting.train_cores) as stepper:
+        curve = bench_train.train(
+            model,
+            optimizer,
+            stepper,
+            starts,
+            steps=args.finetune_steps,
+            eval_every=args.eval_every,
+            evaluate=lambda: bench_train.evaluate(model, setting.eval_batches),
+            scheduler=scheduler,
+            batch_of=setting.batch,
+            after_backward=record_probe if config is None else None,  # the premise, measured on AdamW's gradients
+        )
     for entry in probes:
         for record in entry["matrices"].values():
             record["selected"] = record["selected"].tolist()
@@ -525,26 +507,16 @@ def finetune(row: Row, seed: int, setting: Setting) -> dict[str, Any]:
         "row": row.name,
         "seed": seed,
         "config": None if config is None else dataclasses.asdict(config),
-        "eval_steps": eval_steps,
-        "eval_loss": eval_loss,
-        "eval_train_s": eval_train_s,
-        "train_loss": train_loss,
-        "final_eval_loss": eval_loss[-1],
-        "train_s": train_s,
-        "stall_s": stall_s,
-        "selections": selections,
+        "eval_steps": curve.eval_steps,
+        "eval_loss": curve.eval_loss,
+        "eval_train_s": curve.eval_train_s,
+        "train_loss": curve.train_loss,
+        "final_eval_loss": curve.eval_loss[-1],
+        "train_s": curve.train_s,
+        "stall_s": curve.stall_s,
+        "selections": getattr(stepper, "selections", []),
         "probes": probes,
     }
-
-
-def mean_std(values: list[float]) -> tuple[float, float | None]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
-
-
-def pm(values: list[float], digits: int, suffix: str = "") -> str:
-    mean, std = mean_std(values)
-    sign = "+" if suffix == " %" else ""
-    return f"{mean:{sign}.{digits}f}" + ("" if std is None else f" ± {std:.{digits}f}") + suffix
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -564,11 +536,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         rows[name] = {
             "seeds": [run["seed"] for run in row_runs],
             "final_losses": finals,
-            "final_mean": mean_std(finals)[0],
-            "final_std": mean_std(finals)[1],
+            "final_mean": bench_utils.mean_std(finals)[0],
+            "final_std": bench_utils.mean_std(finals)[1],
             "gaps_percent": gaps,
-            "gap_mean_percent": mean_std(gaps)[0] if gaps else None,
-            "gap_std_percent": mean_std(gaps)[1] if gaps else None,
+            "gap_mean_percent": bench_utils.mean_std(gaps)[0] if gaps else None,
+            "gap_std_percent": bench_utils.mean_std(gaps)[1] if gaps else None,
             "eval_steps": row_runs[0]["eval_steps"],
             "mean_eval_loss": curves.mean(0).tolist(),
             "mean_eval_train_s": times.mean(0).tolist(),
@@ -585,8 +557,8 @@ def print_tables(summary: dict[str, dict[str, Any]], rows: list[Row]) -> None:
         return [
             row.name,
             len(entry["seeds"]),
-            pm(entry["final_losses"], 4),
-            pm(gaps, 2, " %") if gaps and row.name != "adamw" else "-",
+            bench_utils.pm(entry["final_losses"], 4),
+            bench_utils.pm(gaps, 2, " %") if gaps and row.name != "adamw" else "-",
             entry["train_s_mean"],
             100 * entry["stall_share"] if row.knobs is not None else None,
         ]
@@ -667,28 +639,17 @@ def plot(summary: dict[str, dict[str, Any]], names: list[str], path: pathlib.Pat
     bench_utils.save_figure(plt, figure, by_step, path, title)
 
 
-def git_revision() -> str | None:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        root = pathlib.Path(__file__).resolve().parents[1]
-        revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "lightning_zenflow"], cwd=root, capture_output=True, text=True
-        )
-        if revision.returncode == 0:
-            return revision.stdout.strip() + (" (engine modified)" if status.stdout.strip() else "")
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_rows:
         for row in (*MAIN_ROWS, *ABLATION_ROWS):
             print(f"{row.name:14s} {row.knobs!s:70s} {row.what}")
         return 0
-    info = bench_utils.machine_info(torch.device("cpu"))
+    info = bench_utils.announce(
+        "finetune_quality: pre-train on code, fine-tune on prose; AdamW vs offload vs ZenFlow and its ablations",
+        torch.device("cpu"),
+    )
     train_cores, host_cores = ZenFlowConfig().core_split()
-    print("finetune_quality: pre-train on code, fine-tune on prose; AdamW vs offload vs ZenFlow and its ablations")
-    print(f"machine: {bench_utils.describe_machine(info)}")
     started = time.perf_counter()
     corpora = build_corpora(args.max_files)
     parts = ("code_train", "code_heldout", "prose_train", "prose_heldout")
@@ -705,19 +666,16 @@ def main(argv: list[str] | None = None) -> int:
         f"code {unigram['code']:.3f}, prose {unigram['prose']:.3f} nats/byte"
     )
     base, base_record = load_or_pretrain(args, corpora)
-
-    from lightning_zenflow.demo import GPT, GPTConfig
-
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size))
+    setting = build_setting(args, corpora, base)
+    model = gpt(args)
     model.load_state_dict(base)
-    eval_batches = eval_set(corpora.prose_heldout, args.eval_blocks, args.block_size, 16)
     base_loss = {
-        "code": evaluate(model, eval_set(corpora.code_heldout, args.eval_blocks, args.block_size, 16)),
-        "prose": evaluate(model, eval_batches),
+        "code": bench_train.evaluate(model, eval_set(corpora.code_heldout, args.eval_blocks, args.block_size, 16)),
+        "prose": bench_train.evaluate(model, setting.eval_batches),
     }
     n_params = model.num_parameters()
     del model
-    steps_per_epoch = max(1, corpora.prose_train.numel() // (args.finetune_batch * args.block_size))
+    steps_per_epoch = setting.steps_per_epoch
     print(
         f"base: GPT {n_params / 1e6:.3f}M parameters ({args.n_layer} layers, width {args.n_embd}, block "
         f"{args.block_size}); held-out loss code {base_loss['code']:.3f}, prose {base_loss['prose']:.3f} nats/byte"
@@ -728,7 +686,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{steps_per_epoch} steps; held-out loss on {args.eval_blocks} blocks every {args.eval_every} steps; "
         f"cores: training {train_cores} ({len(train_cores)} thread(s)), host worker {host_cores}"
     )
-    setting = Setting(args, base, corpora, eval_batches, train_cores, steps_per_epoch)
     plan: list[tuple[Row, int]] = []
     main_rows = [row for row in MAIN_ROWS if row.name in args.main_rows]
     for row in main_rows:
@@ -739,29 +696,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: rows with more seeds than the {args.seeds} AdamW seeds report gaps over the paired seeds only")
 
     runs: list[dict[str, Any]] = []
-    payload: dict[str, Any] = {
-        "benchmark": "finetune_quality",
-        "command": bench_utils.command_line(),
-        "revision": git_revision(),
-        "machine": info,
-        "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-        "n_params": n_params,
-        "cores": {"training_process": train_cores, "host_worker": host_cores},
-        "corpora": {"bytes": sizes, "files": corpora.files, "topics": corpora.topics, "sha256": corpora.digest},
-        "unigram_cross_entropy": unigram,
-        "base": {**base_record, "heldout_loss": base_loss},
-        "steps_per_epoch": steps_per_epoch,
-        "rows": {row.name: {"knobs": row.knobs, "what": row.what} for row in (*main_rows, *chosen)},
-        "runs": runs,
-    }
-    partial = args.out.with_suffix(".partial.json")
-    partial.parent.mkdir(parents=True, exist_ok=True)
+    payload = bench_utils.payload(
+        "finetune_quality",
+        info,
+        revision=True,
+        settings=bench_utils.settings_of(args),
+        n_params=n_params,
+        cores={"training_process": train_cores, "host_worker": host_cores},
+        corpora={"bytes": sizes, "files": corpora.files, "topics": corpora.topics, "sha256": corpora.digest},
+        unigram_cross_entropy=unigram,
+        base={**base_record, "heldout_loss": base_loss},
+        steps_per_epoch=steps_per_epoch,
+        rows={row.name: {"knobs": row.knobs, "what": row.what} for row in (*main_rows, *chosen)},
+        runs=runs,
+    )
     for index, (row, seed) in enumerate(plan, start=1):
         print(f"[{index}/{len(plan)}] {row.name} seed {seed} ...", end="", flush=True)
         run = finetune(row, seed, setting)
         runs.append(run)
         print(f" held-out {run['eval_loss'][0]:.4f} -> {run['final_eval_loss']:.4f} ({run['train_s']:.1f} s)")
-        partial.write_text(json.dumps(payload))  # a run cut short keeps what it measured
+        bench_utils.write_partial(args.out, payload)  # a run cut short keeps what it measured
 
     summary = summarise(runs)
     print_tables(summary, [*main_rows, *chosen])
@@ -771,8 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     if refresh:
         print(
             "engine's own refresh diagnostics (refresh-16 row): Jaccard of consecutive selections "
-            f"{pm([s['overlap'] for s in refresh], 3)}, selected share of the column scores "
-            f"{pm([s['captured'] for s in refresh], 3)} (over {len(refresh)} refreshes)"
+            f"{bench_utils.pm([s['overlap'] for s in refresh], 3)}, selected share of the column scores "
+            f"{bench_utils.pm([s['captured'] for s in refresh], 3)} (over {len(refresh)} refreshes)"
         )
     adamw_final = {run["seed"]: run["final_eval_loss"] for run in runs if run["row"] == "adamw"}
     sync_differences = [
@@ -785,7 +739,6 @@ def main(argv: list[str] | None = None) -> int:
     if sync_difference is not None:
         verdict = "ok (equal up to float rounding)" if sync_ok else "LARGER THAN 1e-3: a harness or engine fault"
         print(f"sync-offload vs AdamW, final held-out loss: relative difference {sync_difference:.2e} -> {verdict}")
-    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     payload.update(
         summary={name: {k: v for k, v in entry.items() if k != "runs"} for name, entry in summary.items()},
         gradient_statistics=probes,
@@ -794,8 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         sync_offload_matches_adamw=sync_ok,
         total_s=time.perf_counter() - started,
     )
-    bench_utils.write_json(args.out, payload)
-    partial.unlink(missing_ok=True)
+    bench_utils.write_results(args.out, payload)
     if args.plot:
         title = f"GPT {n_params / 1e6:.2f}M, code -> prose fine-tune, mean of seeds; {info['date']}"
         plot(summary, [row.name for row in (*main_rows, *chosen)], args.out.with_suffix(".png"), title)

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import bench_train
 import bench_utils
 import finetune_quality as fq
 import torch
@@ -121,52 +122,53 @@ ROWS = (
 QUICK_ROWS = ("adamw", "paper", "extrapolate+score-adam", "adaptive+refresh-window", "land-1")
 
 
+class RuleStep:
+    """``bench_train``'s stepper for ``RuleOptimizer``: its step, sync and flush run without autograd."""
+
+    def __init__(self, rule_optimizer: RuleOptimizer) -> None:
+        self.rule_optimizer = rule_optimizer
+
+    def before_forward(self) -> None:
+        pass
+
+    def step(self) -> float:
+        with torch.no_grad():
+            self.rule_optimizer.step()
+        return 0.0
+
+    def settle(self, last: bool) -> None:
+        with torch.no_grad():
+            self.rule_optimizer.flush() if last else self.rule_optimizer.sync()
+
+
 def finetune(row: Row, seed: int, setting: fq.Setting) -> dict[str, Any]:
     """``finetune_quality.finetune`` with ``RuleOptimizer`` in place of the engine: the same model, batches, lr
     schedule, evaluations (after a sync; after a flush at the end) and thread count."""
-    from lightning_zenflow.demo import GPT, GPTConfig
-
     args = setting.args
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size))
-    model.load_state_dict(setting.base)
-    optimizer = fq.make_optimizer(model, args.finetune_lr)
-    scheduler = fq.lr_schedule(optimizer, args.finetune_warmup, args.finetune_schedule, args.finetune_steps)
-    starts = fq.random_batches(
-        setting.corpora.prose_train, args.finetune_steps, args.finetune_batch, args.block_size, seed, "fine"
-    )
+    model, optimizer, scheduler, starts = setting.start(seed)
     rule_optimizer = None if row.rule is None else RuleOptimizer(optimizer.param_groups, row.rule)
     # RuleOptimizer steps in place of optimizer.step(), which the LR scheduler would otherwise warn about
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
-    eval_steps, eval_loss, train_loss = [0], [fq.evaluate(model, setting.eval_batches)], []
-    started = time.perf_counter()
-    for step, step_starts in enumerate(starts, start=1):
-        _, loss = model(*fq.windows(setting.corpora.prose_train, step_starts, args.block_size))
-        loss.backward()
-        if rule_optimizer is None:
-            optimizer.step()
-        else:
-            with torch.no_grad():
-                rule_optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        train_loss.append(loss.item())
-        last = step == args.finetune_steps
-        if step % args.eval_every == 0 or last:
-            if rule_optimizer is not None:
-                with torch.no_grad():
-                    rule_optimizer.flush() if last else rule_optimizer.sync()
-            eval_steps.append(step)
-            eval_loss.append(fq.evaluate(model, setting.eval_batches))
+    curve = bench_train.train(
+        model,
+        optimizer,
+        bench_train.AdamWStep(optimizer) if rule_optimizer is None else RuleStep(rule_optimizer),
+        starts,
+        steps=args.finetune_steps,
+        eval_every=args.eval_every,
+        evaluate=lambda: bench_train.evaluate(model, setting.eval_batches),
+        scheduler=scheduler,
+        batch_of=setting.batch,
+    )
     return {
         "row": row.name,
         "seed": seed,
         "rule": None if row.rule is None else dataclasses.asdict(row.rule),
-        "eval_steps": eval_steps,
-        "eval_loss": eval_loss,
-        "final_eval_loss": eval_loss[-1],
-        "train_loss": train_loss,
-        "seconds": time.perf_counter() - started,
+        "eval_steps": curve.eval_steps,
+        "eval_loss": curve.eval_loss,
+        "final_eval_loss": curve.eval_loss[-1],
+        "train_loss": curve.train_loss,
+        "seconds": time.perf_counter() - curve.started,
         "selections": [] if rule_optimizer is None else rule_optimizer.selections,
         "device_cost": None if rule_optimizer is None else rule_optimizer.device_cost(),
         "update_cosines": None if rule_optimizer is None else rule_optimizer.delta_cosines,
@@ -253,9 +255,9 @@ def print_table(summary: dict[str, dict[str, Any]], rows: Sequence[Row]) -> None
             continue
         entry = summary[row.name]
         cost = entry["device_cost"]
-        gap = "-" if row.rule is None or not entry["gaps_percent"] else fq.pm(entry["gaps_percent"], 2, " %")
+        gap = "-" if row.rule is None or not entry["gaps_percent"] else bench_utils.pm(entry["gaps_percent"], 2, " %")
         lines.append([
-            row.name, len(entry["seeds"]), fq.pm(entry["final_losses"], 4), gap,
+            row.name, len(entry["seeds"]), bench_utils.pm(entry["final_losses"], 4), gap,
             entry["gap_first_eval_percent"] if row.rule is not None else None,
             None if cost is None else 100 * cost["selected_share"],
             None if cost is None else cost["state_bytes"] + cost["accumulator_bytes"] + cost["score_bytes"],
@@ -272,21 +274,19 @@ def print_table(summary: dict[str, dict[str, Any]], rows: Sequence[Row]) -> None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="finetune_quality's --quick model and steps.")
     parser.add_argument("--rows", nargs="*", default=None, help="rows to run (default all; adamw is always run).")
     parser.add_argument("--seeds", type=int, nargs="*", default=None, help="seeds (default 0 1; quick 0).")
     parser.add_argument("--jobs", type=int, default=1, help="fine-tunes run side by side, one thread each.")
     parser.add_argument("--list-rows", action="store_true", help="print the rows and exit.")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
     parser.add_argument("--cache", type=pathlib.Path, default=fq.DEFAULT_CACHE, help="finetune_quality's base cache.")
-    parser.add_argument("--quick", action="store_true", help="finetune_quality's --quick model and steps.")
     parser.add_argument(
         "--merge", type=pathlib.Path, nargs="*", default=None, help="no runs: one table from these JSON files' runs."
     )
     args, rest = parser.parse_known_args(argv)
     args.fq = fq.parse_args([*rest, "--cache", str(args.cache), *(["--quick"] if args.quick else [])])
-    if args.seeds is None:
-        args.seeds = [0] if args.quick else [0, 1]
+    bench_utils.apply_quick_defaults(args, {"seeds": ([0, 1], [0])})
     names = [row.name for row in ROWS]
     chosen = args.rows if args.rows is not None else (list(QUICK_ROWS) if args.quick else names)
     unknown = sorted(set(chosen) - set(names))
@@ -336,32 +336,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.merge:
         return merge(args.merge, args.out)
-    info = bench_utils.machine_info(torch.device("cpu"))
-    print(f"rule_variants: candidate rule changes on finetune_quality's fine-tune\nmachine: "
-          f"{bench_utils.describe_machine(info)}")  # fmt: skip
+    info = bench_utils.announce(
+        "rule_variants: candidate rule changes on finetune_quality's fine-tune", torch.device("cpu")
+    )
     started = time.perf_counter()
     corpora = fq.build_corpora(args.fq.max_files)
     base, base_record = fq.load_or_pretrain(args.fq, corpora)
-    eval_batches = fq.eval_set(corpora.prose_heldout, args.fq.eval_blocks, args.fq.block_size, 16)
-    steps_per_epoch = max(1, corpora.prose_train.numel() // (args.fq.finetune_batch * args.fq.block_size))
-    train_cores, _ = fq.ZenFlowConfig().core_split()
+    setting = fq.build_setting(args.fq, corpora, base)
     # the engine's training process runs len(train_cores) threads; matmul reductions match at the same count
-    threads = len(train_cores)
-    setting = fq.Setting(args.fq, base, corpora, eval_batches, train_cores, steps_per_epoch)
+    threads = len(setting.train_cores)
     rows = [row for row in ROWS if row.name in args.rows]
     plan = [(row, seed) for row in rows for seed in args.seeds]
     print(f"{len(plan)} fine-tunes of {args.fq.finetune_steps} steps, {threads} thread(s) each, {args.jobs} at a time")
     runs: list[dict[str, Any]] = []
-    payload: dict[str, Any] = {
-        "benchmark": "rule_variants",
-        "command": bench_utils.command_line(),
-        "revision": fq.git_revision(),
-        "machine": info,
-        "settings": {**{k: v for k, v in vars(args.fq).items() if not isinstance(v, pathlib.Path)}, "threads": threads},
-        "base": base_record,
-        "rows": row_records(rows),
-        "runs": runs,
-    }
+    payload = bench_utils.payload(
+        "rule_variants",
+        info,
+        revision=True,
+        settings={**bench_utils.settings_of(args.fq, skip=("out", "cache")), "threads": threads},
+        base=base_record,
+        rows=row_records(rows),
+        runs=runs,
+    )
     context = multiprocessing.get_context("spawn")
     pool = context.Pool(args.jobs, _init_worker, (setting, threads)) if args.jobs > 1 else None
     if pool is None:
@@ -372,14 +368,12 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             print(f"[{len(runs)}/{len(plan)}] {run['row']} seed {run['seed']}: held-out {run['eval_loss'][0]:.4f} -> "
                   f"{run['final_eval_loss']:.7f} ({run['seconds']:.0f} s)", flush=True)  # fmt: skip
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.with_suffix(".partial.json").write_text(json.dumps(payload))
+            bench_utils.write_partial(args.out, payload)
     runs.sort(key=lambda run: ([row.name for row in ROWS].index(run["row"]), run["seed"]))
     summary = summarise(runs)
     print_table(summary, rows)
     payload.update(summary=summary, total_s=time.perf_counter() - started)
-    bench_utils.write_json(args.out, payload)
-    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
+    bench_utils.write_results(args.out, payload)
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0 if all(math.isfinite(run["final_eval_loss"]) for run in runs) else 1
 
