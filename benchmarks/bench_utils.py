@@ -76,9 +76,18 @@ def apply_quick_defaults(args: argparse.Namespace, defaults: Mapping[str, tuple[
 
 
 def whole_windows(steps: int, interval: int) -> int:
-    """``steps`` rounded up to a multiple of ``interval`` (at least one window): warm-up and measurement end at window
-    ends, so bytes per step and stall are window averages."""
-    return interval * math.ceil(max(steps, 1) / interval)
+    """``steps`` rounded up to a multiple of ``interval``: warm-up and measurement end at window ends, so bytes per
+    step and stall are window averages."""
+    return interval * math.ceil(steps / interval)
+
+
+def cuda_missing(device: str, hint: str) -> str | None:
+    """The message for ``--device cuda`` on a machine without CUDA (``hint``: what to run instead), or None."""
+    if device != "cuda" or torch.cuda.is_available():
+        return None
+    return (
+        f"--device cuda needs a CUDA GPU, but torch.cuda.is_available() is False here (torch {torch.__version__}){hint}"
+    )
 
 
 def settings_of(args: argparse.Namespace, skip: Sequence[str] = ()) -> dict[str, Any]:

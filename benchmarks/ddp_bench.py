@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import pathlib
 import socket
@@ -47,6 +46,7 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import bench_train
 import bench_utils
 import torch
 import torch.multiprocessing as mp
@@ -63,10 +63,8 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 
 # ------------------------------------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small model, few steps: a < 60 s smoke run.")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="small model, few steps: a < 60 s smoke run.", seed="")
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -82,18 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 32; 8 quick).")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--deadline-s", type=float, default=None, help="per launch (default 900; 240 quick).")
-    args = parser.parse_args(argv)
-    args.modes = args.modes or (["device"] if args.quick else list(MODES))
-    args.width = args.width or (256 if args.quick else 768)
-    args.layers = args.layers or (2 if args.quick else 4)
-    interval = 4  # ZenFlowConfig's default update_interval: warm-up and measurement are whole windows
-    warmup = args.warmup_steps if args.warmup_steps is not None else (4 if args.quick else 8)
-    steps = args.steps if args.steps is not None else (8 if args.quick else 32)
-    args.warmup_steps, args.steps = (
-        interval * math.ceil(warmup / interval),
-        interval * math.ceil(max(steps, 1) / interval),
+    args = bench_utils.apply_quick_defaults(
+        parser.parse_args(argv),
+        {
+            "modes": (list(MODES), ["device"]),
+            "width": (768, 256),
+            "layers": (4, 2),
+            "warmup_steps": (8, 4),
+            "steps": (32, 8),
+            "deadline_s": (900.0, 240.0),
+        },
     )
-    args.deadline_s = args.deadline_s or (240.0 if args.quick else 900.0)
+    interval = 4  # ZenFlowConfig's default update_interval: warm-up and measurement are whole windows
+    args.warmup_steps = bench_utils.whole_windows(args.warmup_steps, interval)
+    args.steps = bench_utils.whole_windows(max(args.steps, 1), interval)
     return args
 
 
@@ -175,11 +175,8 @@ def run_mode(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
 
     model = build_model(args)
     params = list(model.parameters())
-    matrices = [p for p in params if p.ndim >= 2]
-    vectors = [p for p in params if p.ndim < 2]
-    optimizer = torch.optim.AdamW(  # only carries the param groups and hyperparameters; the engine steps
-        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}], lr=args.lr
-    )
+    # only carries the param groups and hyperparameters (torch's default betas); the engine steps
+    optimizer = torch.optim.AdamW(bench_train.decay_groups(params), lr=args.lr)
     engine = ZenFlowEngine(
         optimizer,
         # the defaults otherwise (topk_ratio 0.1, update_interval 4, overlap on), without the warm-up: the steady state
@@ -389,13 +386,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    info = bench_utils.machine_info(torch.device("cpu"))
+    info = bench_utils.announce(
+        "ddp_bench: data-parallel ZenFlow, 2 ranks (gloo, CPU) against 1 rank, same global batch, model and seed",
+        torch.device("cpu"),
+    )
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     model_bytes = n_params * 4
     del model
-    print("ddp_bench: data-parallel ZenFlow, 2 ranks (gloo, CPU) against 1 rank, same global batch, model and seed")
-    print(f"machine: {bench_utils.describe_machine(info)}")
     print(
         f"model: {args.layers} MLP blocks of width {args.width} and a head, {n_params / 1e6:.2f}M parameters, fp32 "
         f"({model_bytes / 2**20:.1f} MiB); global batch {2 * args.batch} x {args.tokens} positions (1 rank: all of "
@@ -449,20 +447,18 @@ def run(args: argparse.Namespace) -> int:
         "host mode); the worker maps the same shared pages. Link bytes cross the host-device link only; the rows a\n"
         "rank receives from the others at each window landing (Ranks.share_rows, gloo here) are not in them."
     )
-    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    load = info["load_average_at_end"]
+    load = info["load_average_at_end"] = bench_utils.load_average()
     if load:
         print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    payload = {
-        "benchmark": "ddp_bench",
-        "command": bench_utils.command_line(),
-        "machine": info,
-        "note": (
+    payload = bench_utils.payload(
+        "ddp_bench",
+        info,
+        note=(
             "CPU only, gloo. Bytes are exact. Times: 1 rank has the training process and the host worker on their "
             "own cores; 2 ranks share the same cores (each rank's training thread and worker on one core), so step "
             "times are not a GPU prediction."
         ),
-        "settings": {
+        settings={
             "width": args.width,
             "layers": args.layers,
             "n_params": n_params,
@@ -480,17 +476,14 @@ def run(args: argparse.Namespace) -> int:
             "warmup_steps": args.warmup_steps,
             "measured_steps": args.steps,
         },
-        "launches": [{k: v for k, v in launch_.items() if k != "records"} for launch_ in launches],
-        "records": records,
-        "summary": summary,
-        "ratios_2_over_1": ratio_rows,
-        "failures": failures,
-    }
-    bench_utils.write_json(args.out, payload)
-    if failures:
-        print(f"{len(failures)} launch(es) failed: " + "; ".join(f"{f['world']} ranks: {f['error']}" for f in failures))
-        return 1
-    return 0
+        launches=[{k: v for k, v in launch_.items() if k != "records"} for launch_ in launches],
+        records=records,
+        summary=summary,
+        ratios_2_over_1=ratio_rows,
+        failures=failures,
+    )
+    bench_utils.write_results(args.out, payload)
+    return bench_utils.report_failures(failures, "launch(es)", lambda f: f"{f['world']} ranks")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ import time
 import traceback
 from typing import Any
 
+import bench_train
 import bench_utils
 import torch
 
@@ -71,12 +72,15 @@ CALIBRATION_CYCLES = 20_000_000
 
 # ------------------------------------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny sizes and few steps (four [256, 128] fp32 matrices on the CPU)."
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        out_help="JSON-lines output (overwritten).",
+        quick="tiny sizes and few steps (four [256, 128] fp32 matrices on the CPU).",
+        seed="",
+        device=("cuda", "cpu"),
     )
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON-lines output (overwritten).")
     parser.add_argument("--matrices", type=int, default=None, help="weight matrices M (default 8; quick 4).")
     parser.add_argument("--rows", type=int, default=None, help="rows of each matrix (default 8192; quick 256).")
     parser.add_argument("--cols", type=int, default=None, help="columns of each matrix (default 2048; quick 128).")
@@ -97,7 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topk-ratio", type=float, default=0.1, help="topk_ratio of the ZenFlow rows.")
     parser.add_argument("--update-interval", type=int, default=4, help="update_interval of the ZenFlow rows.")
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--configs", nargs="+", choices=CONFIG_NAMES, default=list(DEFAULT_CONFIGS), help="rows to run, in order."
     )
@@ -109,26 +112,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile-steps steps with torch.profiler and write a Chrome trace to this path.",
     )
     parser.add_argument("--profile-steps", type=int, default=8)
-    args = parser.parse_args(argv)
-    quick = args.quick
-    defaults = {
-        "matrices": 4 if quick else 8,
-        "rows": 256 if quick else 8192,
-        "cols": 128 if quick else 2048,
-        "dtype": "fp32" if quick else "bf16",
-        "compute_ms": 5.0 if quick else 30.0,
-        "warmup_steps": 4 if quick else 8,
-        "steps": 8 if quick else 32,
-        "budget_s": 5.0 if quick else 40.0,
-    }
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(
-            f"--device cuda needs a CUDA GPU, but torch.cuda.is_available() is False here (torch {torch.__version__}); "
-            "run with --device cpu --quick for the CPU smoke run."
-        )
+    args = bench_utils.apply_quick_defaults(
+        parser.parse_args(argv),
+        {
+            "matrices": (8, 4),
+            "rows": (8192, 256),
+            "cols": (2048, 128),
+            "dtype": ("bf16", "fp32"),
+            "compute_ms": (30.0, 5.0),
+            "warmup_steps": (8, 4),
+            "steps": (32, 8),
+            "budget_s": (40.0, 5.0),
+        },
+    )
+    missing = bench_utils.cuda_missing(args.device, "; run with --device cpu --quick for the CPU smoke run.")
+    if missing:
+        parser.error(missing)
     for name in ("matrices", "rows", "cols", "steps", "profile_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1.")
@@ -264,14 +263,6 @@ def make_workload(args: argparse.Namespace, device: torch.device) -> Workload:
     return Workload(device, dtype, shapes, names, bank, factors, args.seed)
 
 
-def param_groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
-    """Matrices with weight decay, biases without (as the demo GPT and most fine-tuning recipes)."""
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-
-
 def engine_config(name: str, args: argparse.Namespace) -> ZenFlowConfig | None:
     # no warm-up: the steady state is measured (the warm-up is 10 synchronous-offload steps once per run)
     base = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=args.topk_ratio, update_interval=args.update_interval)
@@ -335,10 +326,6 @@ class StepLoop:
         return time.perf_counter() - started, gpu_s, stats
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
-
-
 def run_config(name: str, workload: Workload, compute: ComputeStandIn, args: argparse.Namespace) -> dict[str, Any]:
     """Warm up to a window end, then time whole windows until ``--steps`` or ``--budget-s``; one result row."""
     device = workload.device
@@ -354,11 +341,11 @@ def run_config(name: str, workload: Workload, compute: ComputeStandIn, args: arg
     started = time.perf_counter()
     if config is not None:
         # plain AdamW only carries the param groups for the engine
-        optimizer = torch.optim.AdamW(param_groups(params), lr=args.lr, betas=(0.9, 0.95))
+        optimizer = bench_train.demo_adamw(params, args.lr)
         names = dict(zip(params, workload.names))
         engine = ZenFlowEngine(optimizer, config, param_names=names).start()
     elif name == "no-offload":
-        optimizer = torch.optim.AdamW(param_groups(params), lr=args.lr, betas=(0.9, 0.95), fused=True)
+        optimizer = bench_train.demo_adamw(params, args.lr, fused=True)
     setup_s = time.perf_counter() - started
     step_s: list[float] = []
     gpu_step_s: list[float] = []
@@ -390,7 +377,7 @@ def run_config(name: str, workload: Workload, compute: ComputeStandIn, args: arg
         if engine is not None:
             device_bytes, host_bytes = engine.device_bytes(), engine.host_bytes()
         elif optimizer is not None:
-            device_bytes, host_bytes = optimizer_state_bytes(optimizer), 0
+            device_bytes, host_bytes = bench_train.optimizer_state_bytes(optimizer), 0
         else:
             device_bytes, host_bytes = 0, 0
     finally:
@@ -486,7 +473,7 @@ def summarize(
 def profile(workload: Workload, compute: ComputeStandIn, args: argparse.Namespace) -> None:
     """A Chrome trace of ``--profile-steps`` steps of zenflow (``accumulate_on="auto"``) after the warm-up."""
     params = workload.build_params()
-    optimizer = torch.optim.AdamW(param_groups(params), lr=args.lr, betas=(0.9, 0.95))
+    optimizer = bench_train.demo_adamw(params, args.lr)
     config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=args.topk_ratio, update_interval=args.update_interval)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if workload.device.type == "cuda":
@@ -576,12 +563,12 @@ def main(argv: list[str] | None = None) -> int:
         profile(workload, compute, args)
         return 0
 
-    info = bench_utils.machine_info(device)
+    info = bench_utils.announce(
+        "gpu_stall: ZenFlow's training-thread stall and link traffic at realistic sizes, side by side", device
+    )
     limits = system_limits(device)
     matrix_params = args.matrices * args.rows * args.cols
     host_need = 20 * matrix_params  # the engine's shared host block: 20 B per matrix element
-    print("gpu_stall: ZenFlow's training-thread stall and link traffic at realistic sizes, side by side")
-    print(f"machine: {bench_utils.describe_machine(info)}")
     print(
         f"  /dev/shm {bench_utils.fmt((limits['dev_shm_bytes'] or 0) / 2**30)} GiB "
         f"({bench_utils.fmt((limits['dev_shm_free_bytes'] or 0) / 2**30)} GiB free), ulimit -l {limits['ulimit_l']}, "
@@ -609,34 +596,35 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text("")
     header = {
         "kind": "header",
-        "benchmark": "gpu_stall",
-        "command": bench_utils.command_line(),
-        "machine": {**info, **limits},
-        "settings": {
-            "matrices": args.matrices,
-            "rows": args.rows,
-            "cols": args.cols,
-            "dtype": args.dtype,
-            "n_params": n_params,
-            "compute_ms": args.compute_ms,
-            "warmup_steps": args.warmup_steps,
-            "steps": args.steps,
-            "budget_s": args.budget_s,
-            "topk_ratio": args.topk_ratio,
-            "update_interval": args.update_interval,
-            "lr": args.lr,
-            "seed": args.seed,
-            "configs": args.configs,
-        },
-        "calibration": {
-            "cycles": compute.cycles,
-            "cycles_per_ms": compute.cycles_per_ms,
-            "measured_ms": compute.measured_ms,
-        },
-        "timing_method": (
-            "wall time per step with a host wait on a compute-stream event at its end; CUDA events for GPU ms"
-            if device.type == "cuda"
-            else "wall time per step (CPU: the engine's device work runs inline)"
+        **bench_utils.payload(
+            "gpu_stall",
+            {**info, **limits},
+            settings={
+                "matrices": args.matrices,
+                "rows": args.rows,
+                "cols": args.cols,
+                "dtype": args.dtype,
+                "n_params": n_params,
+                "compute_ms": args.compute_ms,
+                "warmup_steps": args.warmup_steps,
+                "steps": args.steps,
+                "budget_s": args.budget_s,
+                "topk_ratio": args.topk_ratio,
+                "update_interval": args.update_interval,
+                "lr": args.lr,
+                "seed": args.seed,
+                "configs": args.configs,
+            },
+            calibration={
+                "cycles": compute.cycles,
+                "cycles_per_ms": compute.cycles_per_ms,
+                "measured_ms": compute.measured_ms,
+            },
+            timing_method=(
+                "wall time per step with a host wait on a compute-stream event at its end; CUDA events for GPU ms"
+                if device.type == "cuda"
+                else "wall time per step (CPU: the engine's device work runs inline)"
+            ),
         ),
     }
     bench_utils.append_jsonl(args.out, header)
@@ -674,10 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out, {"kind": "footer", "rows": [r["name"] for r in rows], "failures": [f["name"] for f in failures]}
     )
     print(f"wrote {args.out}")
-    if failures:
-        print(f"{len(failures)} configuration(s) failed: " + "; ".join(f"{f['name']}: {f['error']}" for f in failures))
-        return 1
-    return 0
+    return bench_utils.report_failures(failures, "configuration(s)", lambda f: f["name"])
 
 
 if __name__ == "__main__":

@@ -35,13 +35,12 @@ import contextlib
 import dataclasses
 import gc
 import math
-import os
 import pathlib
-import statistics
 import sys
 import time
 from typing import Any
 
+import bench_train
 import bench_utils
 import torch
 from offload_report import plot, print_report, summarize, target_checks
@@ -56,12 +55,16 @@ TARGET_HOST_OVER_FWD_BWD = 1.0
 
 # ------------------------------------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: the CPU surrogate.")
-    parser.add_argument("--quick", action="store_true", help="small model, few steps, no sweep: a < 60 s smoke run.")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
-    parser.add_argument("--plot", action="store_true", help="also write a PNG of step times next to the JSON.")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        quick="small model, few steps, no sweep: a < 60 s smoke run.",
+        plot="also write a PNG of step times next to the JSON.",
+        seed="",
+        device=("cpu", "cuda"),
+        device_help="cpu: the CPU surrogate.",
+    )
     parser.add_argument(
         "--warmup-steps",
         type=int,
@@ -225,11 +228,8 @@ def count_parameters(shape: ModelShape, block: int) -> int:
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, fused: bool) -> torch.optim.AdamW:
-    """AdamW over the demo's two groups: matrices with weight decay, biases and norms without."""
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused)
+    """The demo's AdamW over its two groups (matrices with weight decay, biases and norms without)."""
+    return bench_train.demo_adamw(model.parameters(), lr, fused=fused)
 
 
 def make_batches(
@@ -246,21 +246,6 @@ def make_batches(
 
 
 # ------------------------------------------------------------------------------------------------ calibration
-def time_median(fn: Any, repeats: int, device: torch.device) -> float:
-    """Median seconds of ``fn()`` after one untimed call (CUDA: synchronized around each call)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # calibration only: wait for queued work so the clock sees fn alone
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # calibration only: fn's kernels have finished
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def calibrate(
     shape: ModelShape, corpus: torch.Tensor, args: argparse.Namespace, device: torch.device
 ) -> tuple[int, int, dict[str, Any]]:
@@ -284,7 +269,7 @@ def calibrate(
     # the fused AdamW step does not depend on the tokens: measure it once (its first call allocates the moments)
     for param in model.parameters():
         param.grad = torch.randn_like(param) * 1e-3
-    adamw_s = time_median(optimizer.step, repeats, device)
+    adamw_s = bench_train.time_median(optimizer.step, repeats, device=device)
     model.zero_grad(set_to_none=True)
     rows = []
     chosen = None
@@ -296,7 +281,7 @@ def calibrate(
             _, loss = model(x, y)
             loss.backward()
 
-        fwd_bwd_s = time_median(fwd_bwd, repeats, device)
+        fwd_bwd_s = bench_train.time_median(fwd_bwd, repeats, device=device)
         ratio = adamw_s / fwd_bwd_s
         rows.append(
             {
@@ -383,10 +368,6 @@ class SpanClock:
         return [b - a for a, b in self.spans]
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(value.nbytes for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value))
-
-
 def torchao_bytes(optimizer: Any) -> tuple[int | None, int | None]:
     """(device, host) bytes of a torchao CPUOffloadOptimizer: host params, grads and state; device optimizer."""
     try:
@@ -394,8 +375,8 @@ def torchao_bytes(optimizer: Any) -> tuple[int | None, int | None]:
         for p_host in optimizer.param_d2h_map.values():
             host += p_host.nbytes + (p_host.grad.nbytes if p_host.grad is not None else 0)
         for inner in optimizer.optim_dict.values():
-            host += optimizer_state_bytes(inner)
-        device = optimizer_state_bytes(optimizer.d_opt) if optimizer.d_opt is not None else 0
+            host += bench_train.optimizer_state_bytes(inner)
+        device = bench_train.optimizer_state_bytes(optimizer.d_opt) if optimizer.d_opt is not None else 0
     except AttributeError:
         return None, None
     return device, host
@@ -431,10 +412,8 @@ def run_spec(
     elif spec.kind == "torchao":
         from torchao.optim import CPUOffloadOptimizer
 
-        matrices = [p for p in model.parameters() if p.ndim >= 2]
-        vectors = [p for p in model.parameters() if p.ndim < 2]
         optimizer = CPUOffloadOptimizer(
-            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+            bench_train.decay_groups(model.parameters()),
             torch.optim.AdamW,
             offload_gradients=False,
             lr=args.lr,
@@ -445,7 +424,7 @@ def run_spec(
         optimizer = make_optimizer(model, args.lr, fused=True)
     if spec.kind in ("no-offload", "fwd+bwd") and device.type == "cpu":
         # the baselines get the training process's cores and threads, as the engine gives itself
-        pin = bench_utils.pinned(train_cores, len(train_cores))
+        pin = bench_utils.pinned(train_cores)
         pin.__enter__()
     setup_s = time.perf_counter() - started
     clock = StepClock(device)
@@ -508,7 +487,7 @@ def run_spec(
     }
     if spec.kind == "no-offload":
         result["device_update_s"] = optimizer_clock.durations()
-        device_bytes, host_bytes = optimizer_state_bytes(optimizer), 0
+        device_bytes, host_bytes = bench_train.optimizer_state_bytes(optimizer), 0
     elif spec.kind == "torchao":
         device_bytes, host_bytes = torchao_bytes(optimizer)
     elif spec.kind == "engine":
@@ -539,11 +518,12 @@ def _span(cores: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            f"--device cuda needs a CUDA GPU, but torch.cuda.is_available() is False here (torch {torch.__version__}). "
-            "Run without --device for the CPU surrogate, or on a machine with a GPU and a CUDA build of torch."
-        )
+    missing = bench_utils.cuda_missing(
+        args.device,
+        ". Run without --device for the CPU surrogate, or on a machine with a GPU and a CUDA build of torch.",
+    )
+    if missing:
+        raise SystemExit(missing)
     if args.device == "cuda" and args.quick:
         print("note: --quick with --device cuda keeps the 1.2B model and only shortens the run.")
     device = torch.device(args.device)
@@ -557,17 +537,17 @@ def main(argv: list[str] | None = None) -> int:
         specs.sort(key=lambda spec: spec.name != "zenflow")  # the ZenFlow row first: a run cut short still has it
     intervals = sorted({s.interval for s in specs if s.interval is not None})
     lcm = math.lcm(*intervals) if intervals else 1
-    warmup = args.warmup_steps if args.warmup_steps is not None else (4 if args.quick else 8)
-    steps = args.steps if args.steps is not None else (8 if args.quick else 16 if args.device == "cuda" else 32)
+    bench_utils.apply_quick_defaults(args, {"warmup_steps": (8, 4), "steps": (16 if args.device == "cuda" else 32, 8)})
     # whole windows only, aligned with window ends, so bytes per step and stall are window averages
-    warmup, steps = lcm * math.ceil(warmup / lcm), lcm * math.ceil(max(steps, 1) / lcm)
+    warmup = bench_utils.whole_windows(args.warmup_steps, lcm)
+    steps = bench_utils.whole_windows(max(args.steps, 1), lcm)
 
-    info = bench_utils.machine_info(device)
+    info = bench_utils.announce(
+        "offload_bench: ZenFlow vs no offload vs synchronous offload, one run, same model, data and seed", device
+    )
     # the split every engine configuration makes (bind_cores=True, pt_reserved_cores_perc=0.5)
     train_cores, host_cores = ZenFlowConfig(bind_cores=True, pt_reserved_cores_perc=0.5).core_split()
     surrogate = device.type == "cpu"
-    print("offload_bench: ZenFlow vs no offload vs synchronous offload, one run, same model, data and seed")
-    print(f"machine: {bench_utils.describe_machine(info)}")
     if surrogate:
         print(
             "CPU SURROGATE: there is no GPU. The training process plays the device and the host worker plays the CPU;\n"
@@ -589,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus = load_corpus_bytes(None, 1_000_000)
     calibration_started = time.perf_counter()
-    context = bench_utils.pinned(train_cores, len(train_cores)) if surrogate else contextlib.nullcontext()
+    context = bench_utils.pinned(train_cores) if surrogate else contextlib.nullcontext()
     with context:
         batch, block, calibration = calibrate(shape, corpus, args, device)
     gc.collect()  # free the calibration model before the runs
@@ -651,12 +631,9 @@ def main(argv: list[str] | None = None) -> int:
         rows_path,
         {
             "record": "header",
-            "command": bench_utils.command_line(),
-            "machine": info,
-            "batch": batch,
-            "block": block,
-            "warmup_steps": warmup,
-            "measured_steps": steps,
+            **bench_utils.payload(
+                "offload_bench", info, batch=batch, block=block, warmup_steps=warmup, measured_steps=steps
+            ),
         },
     )
     results: list[dict[str, Any]] = []
@@ -699,21 +676,19 @@ def main(argv: list[str] | None = None) -> int:
     checks = target_checks(summary)
     if checks:
         print("targets (zenflow row): " + "; ".join(f"{k} = {bench_utils.fmt(v)}" for k, v in checks.items()))
-    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    payload = {
-        "benchmark": "offload_bench",
-        "command": bench_utils.command_line(),
-        "machine": info,
-        "cpu_surrogate": surrogate,
-        "surrogate_note": (
+    payload = bench_utils.payload(
+        "offload_bench",
+        info,
+        cpu_surrogate=surrogate,
+        surrogate_note=(
             "CPU surrogate: the training process plays the device and the host worker the CPU, pinned to disjoint "
             "cores; no-offload and fwd+bwd baselines run on the training cores with the same thread count; fp32 model "
             "shaped so that a full AdamW step costs at least one fwd+bwd (see calibration)."
             if surrogate
             else None
         ),
-        "timing_method": "cuda_events_per_step" if not surrogate else "perf_counter_per_step",
-        "model": {
+        timing_method="cuda_events_per_step" if not surrogate else "perf_counter_per_step",
+        model={
             "n_layer": shape.n_layer,
             "n_embd": shape.n_embd,
             "n_head": shape.n_head,
@@ -724,27 +699,24 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": str(shape.dtype).removeprefix("torch."),
             "model_bytes": model_bytes,
         },
-        "cores": {"training_process": train_cores, "host_worker": host_cores},
-        "calibration": calibration,
-        "warmup_steps": warmup,
-        "measured_steps": steps,
-        "select_interval": args.select_interval,
-        "configs": [{**r, "summary": summary[r["name"]]} for r in results],
-        "targets": checks,
-        "failures": failures,
-        "skipped": skipped,
-    }
-    bench_utils.write_json(args.out, payload)
+        cores={"training_process": train_cores, "host_worker": host_cores},
+        calibration=calibration,
+        warmup_steps=warmup,
+        measured_steps=steps,
+        select_interval=args.select_interval,
+        configs=[{**r, "summary": summary[r["name"]]} for r in results],
+        targets=checks,
+        failures=failures,
+        skipped=skipped,
+    )
+    bench_utils.write_results(args.out, payload)
     if args.plot:
         title = (
             f"{'CPU surrogate' if surrogate else info['device_name']}: GPT {n_params / 1e6:.1f}M params, "
             f"{batch}x{block} tokens/step, {info['date']}"
         )
         plot(results, summary, args.out.with_suffix(".png"), title)
-    if failures:
-        print(f"{len(failures)} configuration(s) failed: " + "; ".join(f"{f['name']}: {f['error']}" for f in failures))
-        return 1
-    return 0
+    return bench_utils.report_failures(failures, "configuration(s)", lambda f: f["name"])
 
 
 if __name__ == "__main__":
