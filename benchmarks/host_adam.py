@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import pathlib
 import statistics
 import sys
@@ -45,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import bench_train
 import bench_utils
 import torch
 
@@ -59,9 +59,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, one thread count: a < 60 s smoke run.")
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="small sizes, one thread count: a < 60 s smoke run.")
     parser.add_argument(
         "--sizes", type=float, nargs="*", default=None, help="millions of parameters (default 1 16 64; quick 1 4)."
     )
@@ -86,31 +85,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="skip the spawned-worker measurement (--quick measures it at the smallest size only).",
     )
-    args = parser.parse_args(argv)
     usable = len(bench_utils.available_cores())
-    if args.sizes is None:
-        args.sizes = [1, 4] if args.quick else [1, 16, 64]
-    if args.threads is None:
-        args.threads = [1] if args.quick else [t for t in (1, 2) if t <= usable]
+    args = bench_utils.apply_quick_defaults(
+        parser.parse_args(argv),
+        {
+            "sizes": ([1, 16, 64], [1, 4]),
+            "threads": ([t for t in (1, 2) if t <= usable], [1]),
+            "repeats": (7, 3),
+            "copy_mb": (256, 64),
+        },
+    )
     too_many = [t for t in args.threads if t > usable]
     if too_many:
         parser.error(f"--threads {too_many} exceed the {usable} usable cores of this machine.")
-    args.repeats = args.repeats or (3 if args.quick else 7)
-    args.copy_mb = args.copy_mb or (64 if args.quick else 256)
     return args
 
 
 def time_median(fn: Callable[[], Any], repeats: int, prepare: Callable[[], None] | None = None) -> float:
     """Median seconds of ``fn()`` over ``repeats`` calls after two untimed ones (``prepare()`` untimed before each)."""
-    times = []
-    for index in range(repeats + 2):
-        if prepare is not None:
-            prepare()
-        started = time.perf_counter()
-        fn()
-        if index >= 2:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return bench_train.time_median(fn, repeats, warmups=2, prepare=prepare)
 
 
 class HostProblem:
@@ -228,15 +221,16 @@ def host_add_rates(numel: int, threads: int, cores: list[int], repeats: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    info = bench_utils.machine_info(torch.device("cpu"))
+    info = bench_utils.announce(
+        "host_adam: the engine's host AdamW step vs fused torch AdamW vs a plain copy, same sizes and threads",
+        torch.device("cpu"),
+    )
     model_dtype = DTYPES[args.model_dtype]
     staged_bytes = 0 if model_dtype == torch.float32 else torch.empty((), dtype=model_dtype).element_size()
     engine_bytes_per_param = 28 + (4 + staged_bytes if staged_bytes else 0)
     adamw_bytes_per_param = 28
     cores = bench_utils.available_cores()
     chunk = int(args.chunk * 1e6)
-    print("host_adam: the engine's host AdamW step vs fused torch AdamW vs a plain copy, same sizes and threads")
-    print(f"machine: {bench_utils.describe_machine(info)}")
     print(
         f"bytes per parameter: engine {engine_bytes_per_param} (AdamW 28 + staged {args.model_dtype} copy "
         f"{4 + staged_bytes if staged_bytes else 0}), fused AdamW {adamw_bytes_per_param}, "
@@ -372,35 +366,33 @@ def main(argv: list[str] | None = None) -> int:
         f"{'met' if lowest_add >= HOST_ADD_TARGET else 'NOT met'}; old index_add_ = the strided alpha=1/S path "
         "this replaced (90 % of the columns)."
     )
-    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    payload = {
-        "benchmark": "host_adam",
-        "command": bench_utils.command_line(),
-        "machine": info,
-        "model_dtype": args.model_dtype,
-        "bytes_per_param": {
+    payload = bench_utils.payload(
+        "host_adam",
+        info,
+        model_dtype=args.model_dtype,
+        bytes_per_param={
             "engine": engine_bytes_per_param,
             "fused_adamw": adamw_bytes_per_param,
             "copy": 8,
             "add_": 12,
         },
-        "bytes_note": "engine: AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq "
+        bytes_note="engine: AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq "
         "(28 B), then for a non-fp32 model the staged upload copy reads the master (4 B) and writes the model dtype; "
         "fused AdamW: 28 B; copy: read + write of fp32 (8 B); add_: two reads and a write (12 B).",
-        "chunk_params": chunk,
-        "repeats": args.repeats,
-        "copy_bytes": args.copy_mb * 2**20,
-        "copy_gb_per_s": {str(t): v for t, v in copy_gbps.items()},
-        "add_gb_per_s": {str(t): v for t, v in add_gbps.items()},
-        "results": records,
-        "target_ratio_to_fused_adamw": TARGET_RATIO,
-        "lowest_ratio_to_fused_adamw": worst,
-        "target_met": worst >= TARGET_RATIO,
-        "host_add": add_records,
-        "host_add_target_ratio": HOST_ADD_TARGET,
-        "host_add_lowest_ratio": lowest_add,
-    }
-    bench_utils.write_json(args.out, payload)
+        chunk_params=chunk,
+        repeats=args.repeats,
+        copy_bytes=args.copy_mb * 2**20,
+        copy_gb_per_s={str(t): v for t, v in copy_gbps.items()},
+        add_gb_per_s={str(t): v for t, v in add_gbps.items()},
+        results=records,
+        target_ratio_to_fused_adamw=TARGET_RATIO,
+        lowest_ratio_to_fused_adamw=worst,
+        target_met=worst >= TARGET_RATIO,
+        host_add=add_records,
+        host_add_target_ratio=HOST_ADD_TARGET,
+        host_add_lowest_ratio=lowest_add,
+    )
+    bench_utils.write_results(args.out, payload)
     return 0
 
 

@@ -26,7 +26,6 @@ Measured with litgpt 0.5.13, jsonargparse 4.41 and huggingface-hub 1.33.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import inspect
@@ -37,6 +36,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import bench_utils
+import torch
 
 MODULES = (
     "os", "os.path", "json", "re", "string", "textwrap", "collections", "itertools", "functools", "pathlib",
@@ -66,7 +68,6 @@ def stdlib_docs(limit: int) -> tuple[list[dict], str]:
 
 def build(out: Path, samples: int) -> Path:
     """The tiny checkpoint directory, tokenizer and data file under ``out``; returns the checkpoint directory."""
-    import torch
     from litgpt import GPT, Config
     from litgpt.utils import save_config
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -122,16 +123,23 @@ def finetune(name: str, optimizer: dict, ckpt: Path, out: Path, steps: int) -> d
     return {"name": name, "rc": proc.returncode, "val_loss": float(found[-1]) if found else None, "wall_s": wall}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/litgpt"))
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_utils.make_parser(__doc__.splitlines()[0])
+    bench_utils.add_common_args(
+        parser,
+        out=Path("benchmarks/out/litgpt"),
+        out_help="folder for the checkpoint, the data, the logs and litgpt_recipe.json.",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
     parser.add_argument("--samples", type=int, default=400, help="instruction pairs to generate")
     parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if importlib.util.find_spec("litgpt") is None:
         print("litgpt is not installed: pip install litgpt")
         return 2
+    info = bench_utils.announce(
+        "litgpt_recipe: litgpt finetune_full on a tiny model, torch AdamW against ZenFlowAdamW", torch.device("cpu")
+    )
     args.out = args.out.resolve()
     ckpt = build(args.out, args.samples)
     init = {"lr": args.lr, "weight_decay": 0.0}
@@ -141,11 +149,20 @@ def main() -> int:
                  args.steps),
     ]  # fmt: skip
     print(f"\nlitgpt finetune_full, {args.steps} steps, batch 4, lr {args.lr}, CPU, 32-true")
-    print(f"{'optimizer':<10} {'exit':>4} {'final val loss':>15} {'wall s':>8}")
-    for run in runs:
-        loss = f"{run['val_loss']:.3f}" if run["val_loss"] is not None else "n/a"
-        print(f"{run['name']:<10} {run['rc']:>4} {loss:>15} {run['wall_s']:>8.1f}")
+    rows = [
+        [run["name"], run["rc"], "n/a" if run["val_loss"] is None else f"{run['val_loss']:.3f}", f"{run['wall_s']:.1f}"]
+        for run in runs
+    ]
+    print(bench_utils.format_table(["optimizer", "exit", "final val loss", "wall s"], rows))
     print(f"logs: {args.out}/<optimizer>.log")
+    payload = bench_utils.payload(
+        "litgpt_recipe",
+        info,
+        settings={"steps": args.steps, "samples": args.samples, "lr": args.lr},
+        checkpoint=str(ckpt),
+        runs=runs,
+    )
+    bench_utils.write_results(args.out / "litgpt_recipe.json", payload)
     return 0 if all(run["rc"] == 0 for run in runs) else 1
 
 

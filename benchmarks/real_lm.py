@@ -40,7 +40,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import platform
 import statistics
@@ -66,10 +65,14 @@ KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_utils.make_parser(__doc__)
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        quick="tiny random Llama on byte tokens, few steps: a < 60 s smoke run.",
+        seed="fixes the batch order (default 0).",
+    )
     add = parser.add_argument
-    add("--quick", action="store_true", help="tiny random Llama on byte tokens, few steps: a < 60 s smoke run.")
-    add("--out", type=pathlib.Path, default=DEFAULT_OUT, help="JSON output path.")
     add("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE}).")
     add("--steps", type=int, default=None, help="training steps (default 60; quick 16).")
     add("--batch", type=int, default=None, help="blocks per step (default 4; quick 2).")
@@ -79,15 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--warmup", type=int, default=None, help="linear lr warm-up steps (default 6; quick 2).")
     add("--lr", type=float, default=None, help="peak lr (default 5e-5; quick 2e-3), then cosine to 10 %%.")
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0).")
-    add("--seed", type=int, default=0, help="fixes the batch order (default 0).")
     add("--row", action="append", default=[], metavar="NAME=JSON", help="an extra row: ZenFlowStrategy knobs.")
     add("--rows", nargs="+", default=["adamw", "zenflow"], help="rows to run, in order (default adamw zenflow).")
-    args = parser.parse_args(argv)
     defaults = {"steps": (60, 16), "batch": (4, 2), "block": (64, 32), "eval_blocks": (64, 8), "eval_every": (20, 8),
                 "warmup": (6, 2), "lr": (5e-5, 2e-3)}  # fmt: skip
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    args = bench_utils.apply_quick_defaults(parser.parse_args(argv), defaults)
     args.knobs = {"adamw": None, "zenflow": {}}
     for spec in args.row:
         name, _, text = spec.partition("=")
@@ -261,7 +260,7 @@ def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data
     loader = torch.utils.data.DataLoader(data["train"], batch_size=args.batch, shuffle=False)
     started = time.perf_counter()
     cores = data["train_cores"]
-    with bench_utils.pinned(cores, len(cores)) if knobs is None else contextlib.nullcontext():
+    with bench_utils.pinned(cores) if knobs is None else contextlib.nullcontext():
         trainer.fit(module, loader)
         record.curve.append((args.steps, heldout_loss(module.model, data["eval"])))
     return {
@@ -280,17 +279,6 @@ def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data
 
 
 # ----------------------------------------------------------------------------------------------------- main
-def revision() -> str | None:
-    """The commit of the checkout, marked when the package's files differ from it."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "lightning_zenflow"], cwd=root, capture_output=True)
-        if head.returncode == 0:
-            return head.stdout.strip() + (" (lightning_zenflow modified)" if dirty.stdout.strip() else "")
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -299,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from lightning_zenflow import ZenFlowConfig
 
-    info = bench_utils.machine_info(torch.device("cpu"))
-    print("real_lm: SmolLM2-135M-Instruct (fp32 from Q4_1 GGUF), fine-tuned on stdlib prose; AdamW vs ZenFlow")
-    print(f"machine: {bench_utils.describe_machine(info)}")
+    info = bench_utils.announce(
+        "real_lm: SmolLM2-135M-Instruct (fp32 from Q4_1 GGUF), fine-tuned on stdlib prose; AdamW vs ZenFlow",
+        torch.device("cpu"),
+    )
     started = time.perf_counter()
     config, state, docs, eos = load_quick() if args.quick else load_real(pathlib.Path(args.cache).expanduser())
     base = transformers.AutoModelForCausalLM.from_config(config).float().train()  # fp32 before the weights load
@@ -325,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps of {args.batch} blocks, lr {args.lr} ({args.warmup} warm-up, cosine to 10 %); "
         f"cores: training {train_cores}, host worker {host_cores} ({time.perf_counter() - started:.0f} s so far)"
     )
-    with bench_utils.pinned(train_cores, len(train_cores)):
+    with bench_utils.pinned(train_cores):
         data["base_loss"] = heldout_loss(base, data["eval"])
         kinds = premise(base, data["train"][: args.batch])
     print(f"base held-out loss {data['base_loss']:.4f}")
@@ -349,24 +338,21 @@ def main(argv: list[str] | None = None) -> int:
     curve = [[step, *(run["curve"][i]["heldout_loss"] for run in runs)] for i, step in enumerate(steps)]
     print("\nheld-out curve\n" + bench_utils.format_table(["step", *args.rows], curve, 4))
 
-    info["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "row", "knobs")}
-    payload = {
-        "benchmark": "real_lm",
-        "command": bench_utils.command_line(),
-        "revision": revision(),
-        "machine": info,
-        "settings": settings,
-        "model": "synthetic tiny Llama (quick)" if args.quick else f"SmolLM2-135M-Instruct Q4_1 GGUF from {PACKAGE}",
-        "n_params": n_params,
-        "cores": {"training_process": train_cores, "host_worker": host_cores},
-        "data": {"documents": len(docs), "train_blocks": len(train_blocks), "heldout_blocks": len(held_blocks)},
-        "base_heldout_loss": data["base_loss"],
-        "premise": {"rho": RHO, "kinds": kinds},
-        "runs": runs,
-        "total_s": time.perf_counter() - started,
-    }
-    bench_utils.write_json(args.out, payload)
+    payload = bench_utils.payload(
+        "real_lm",
+        info,
+        revision=True,
+        settings=bench_utils.settings_of(args, skip=("out", "row", "knobs")),
+        model="synthetic tiny Llama (quick)" if args.quick else f"SmolLM2-135M-Instruct Q4_1 GGUF from {PACKAGE}",
+        n_params=n_params,
+        cores={"training_process": train_cores, "host_worker": host_cores},
+        data={"documents": len(docs), "train_blocks": len(train_blocks), "heldout_blocks": len(held_blocks)},
+        base_heldout_loss=data["base_loss"],
+        premise={"rho": RHO, "kinds": kinds},
+        runs=runs,
+        total_s=time.perf_counter() - started,
+    )
+    bench_utils.write_results(args.out, payload)
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0 if all(math.isfinite(run["final_heldout_loss"]) for run in runs) else 1
 
