@@ -33,7 +33,7 @@ import bench_utils
 import torch
 
 from lightning_zenflow import ZenFlowConfig, ZenFlowEngine
-from lightning_zenflow.demo import GPT, ByteCorpusDataModule, GPTConfig
+from lightning_zenflow.demo import GPT, ByteCorpusDataModule
 
 DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "accuracy.json"
 PARITY_TOLERANCE = 0.01
@@ -123,9 +123,9 @@ def data_module(args: argparse.Namespace, part: str, steps: int) -> ByteCorpusDa
     return module
 
 
-def pretrain(args: argparse.Namespace, config: GPTConfig, data: ByteCorpusDataModule) -> tuple[GPT, list[float], float]:
+def pretrain(args: argparse.Namespace, data: ByteCorpusDataModule) -> tuple[GPT, list[float], float]:
     torch.manual_seed(args.seed)
-    model = GPT(config)
+    model = bench_train.demo_gpt(args)
     optimizer = bench_train.demo_adamw(model.parameters(), args.pretrain_lr)
     started = time.perf_counter()
     curve = bench_train.train(
@@ -137,7 +137,6 @@ def pretrain(args: argparse.Namespace, config: GPTConfig, data: ByteCorpusDataMo
 def finetune(
     run: str,
     args: argparse.Namespace,
-    config: GPTConfig,
     pretrained_path: pathlib.Path,
     data: ByteCorpusDataModule,
     eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -145,7 +144,7 @@ def finetune(
 ) -> dict[str, Any]:
     """One fine-tune from the saved weights; the loss on ``eval_batches`` at step 0, every K steps and at the end."""
     torch.manual_seed(args.seed)
-    model = GPT(config)
+    model = bench_train.demo_gpt(args)
     model.load_state_dict(torch.load(pretrained_path, weights_only=True))
     optimizer = bench_train.demo_adamw(model.parameters(), args.finetune_lr)
     engine_config = None
@@ -210,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.device("cpu"),
     )
     train_cores, host_cores = ZenFlowConfig().core_split()
-    config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size)
     print(
         f"model: GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} block={args.block_size}; "
         f"batch {args.batch_size}; seed {args.seed}; corpus: Python stdlib sources, first {args.max_bytes} bytes, "
@@ -229,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{zenflow.select_interval!r}" + (" (selects once, at step 1)" if args.select_interval is None else "")
     )
 
-    model, pretrain_losses, pretrain_s = pretrain(args, config, data_module(args, "first_half", args.pretrain_steps))
+    model, pretrain_losses, pretrain_s = pretrain(args, data_module(args, "first_half", args.pretrain_steps))
     n_params = model.num_parameters()
     pretrained_path = args.out.with_name(args.out.stem + "_pretrained.pt")
     pretrained_path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for run in RUNS:
         print(f"[{run}] fine-tuning ...", end="", flush=True)
-        results[run] = finetune(run, args, config, pretrained_path, finetune_data, eval_batches, train_cores)
+        results[run] = finetune(run, args, pretrained_path, finetune_data, eval_batches, train_cores)
         print(f" final held-out loss {results[run]['final_eval_loss']:.4f} ({results[run]['wall_s']:.1f} s)")
 
     reference = results["adamw"]

@@ -18,10 +18,12 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import bench_utils
 import torch
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------ optimizers
@@ -42,6 +44,30 @@ def demo_adamw(params: Iterable[torch.Tensor], lr: float, **kwargs: Any) -> torc
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (moments, step counts)."""
     return sum(value.nbytes for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value))
+
+
+# ------------------------------------------------------------------------------------------------ model and data
+def build_seeded(build: Callable[[], T], seed: int) -> T:
+    """``build()`` under ``torch.manual_seed(seed)``, the caller's random state untouched: the same initial weights
+    for every configuration of a comparison."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # seeds the CUDA generator too
+        return build()
+
+
+def demo_gpt(args: Any) -> torch.nn.Module:
+    """A fresh demo GPT of ``args``' shape (``n_layer``, ``n_embd``, ``n_head``, ``block_size``). Lightning is
+    imported here, not at the top level of the scripts that use it."""
+    from lightning_zenflow.demo import GPT, GPTConfig
+
+    return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size))
+
+
+def windows(tokens: torch.Tensor, starts: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets: the ``block + 1`` tokens from each of ``starts``, shifted by one."""
+    index = starts.reshape(-1, 1) + torch.arange(block + 1)
+    window = tokens[index].long()
+    return window[:, :-1], window[:, 1:]
 
 
 # ----------------------------------------------------------------------------------------------------- steppers

@@ -27,10 +27,13 @@ import platform
 import statistics
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
@@ -316,6 +319,18 @@ def write_results(path: pathlib.Path, result: dict[str, Any]) -> None:
         result["machine"].setdefault("load_average_at_end", load_average())
     write_json(path, result)
     path.with_suffix(".partial.json").unlink(missing_ok=True)
+
+
+def attempt(name: str, run: Callable[[], T]) -> tuple[T | None, dict[str, str] | None]:
+    """One configuration of a comparison: prints ``[name] running ...`` and returns ``(run(), None)``; an exception
+    is printed and returned as ``(None, failure)`` (name, error, traceback), so the script goes on with the next."""
+    print(f"[{name}] running ...", end="", flush=True)
+    try:
+        return run(), None
+    except Exception as error:  # record it and go on: one GPU run should report every configuration it can
+        print(f" FAILED: {type(error).__name__}: {error}")
+        error_text = f"{type(error).__name__}: {error}"
+        return None, {"name": name, "error": error_text, "traceback": traceback.format_exc()[-4000:]}
 
 
 def report_failures(failures: Sequence[Mapping[str, Any]], noun: str, label: Callable[[Mapping[str, Any]], str]) -> int:

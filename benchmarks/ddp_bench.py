@@ -118,9 +118,8 @@ class MLPStack(nn.Module):
 
 
 def build_model(args: argparse.Namespace) -> MLPStack:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)  # the same initial weights at every rank count
-        return MLPStack(args.width, args.layers)
+    # the same initial weights at every rank count
+    return bench_train.build_seeded(lambda: MLPStack(args.width, args.layers), args.seed)
 
 
 def global_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -265,23 +265,10 @@ def random_batches(tokens: torch.Tensor, steps: int, batch: int, block: int, see
     return torch.randint(0, tokens.numel() - block - 1, (steps, batch), generator=generator)
 
 
-def windows(tokens: torch.Tensor, starts: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    index = starts.reshape(-1, 1) + torch.arange(block + 1)
-    window = tokens[index].long()
-    return window[:, :-1], window[:, 1:]
-
-
 def eval_set(tokens: torch.Tensor, blocks: int, block: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``blocks`` windows spread evenly over ``tokens``, in batches of ``batch``."""
     starts = torch.linspace(0, tokens.numel() - block - 1, blocks).long()
-    return [windows(tokens, chunk, block) for chunk in starts.split(batch)]
-
-
-def gpt(args: argparse.Namespace) -> torch.nn.Module:
-    """A fresh demo GPT of the command line's shape (Lightning is imported here, not at the script's top level)."""
-    from lightning_zenflow.demo import GPT, GPTConfig
-
-    return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size))
+    return [bench_train.windows(tokens, chunk, block) for chunk in starts.split(batch)]
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
@@ -325,7 +312,7 @@ def load_or_pretrain(args: argparse.Namespace, corpora: Corpora) -> tuple[dict[s
         print(f"base: cached {path.name} (pre-trained in {record['seconds']:.0f} s)")
         return saved["model"], record
     torch.manual_seed(settings["seed"])
-    model = gpt(args)
+    model = bench_train.demo_gpt(args)
     optimizer = make_optimizer(model, args.pretrain_lr)
     scheduler = lr_schedule(optimizer, settings["warmup"], "cosine", args.pretrain_steps)
     starts = random_batches(corpora.code_train, args.pretrain_steps, args.pretrain_batch, args.block_size, 0, "pre")
@@ -342,7 +329,7 @@ def load_or_pretrain(args: argparse.Namespace, corpora: Corpora) -> tuple[dict[s
             starts,
             steps=args.pretrain_steps,
             scheduler=scheduler,
-            batch_of=lambda step_starts: windows(corpora.code_train, step_starts, args.block_size),
+            batch_of=lambda step_starts: bench_train.windows(corpora.code_train, step_starts, args.block_size),
             log_every=100,
         ).train_loss
     finally:
@@ -446,13 +433,13 @@ class Setting:
 
     def batch(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fine-tuning batch of windows of the prose corpus starting at ``starts``."""
-        return windows(self.corpora.prose_train, starts, self.args.block_size)
+        return bench_train.windows(self.corpora.prose_train, starts, self.args.block_size)
 
     def start(self, seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW, Any, torch.Tensor]:
         """A fine-tune's model (the base), optimizer, lr schedule and batch starts (fixed by ``seed``)."""
         args = self.args
         torch.manual_seed(seed)
-        model = gpt(args)
+        model = bench_train.demo_gpt(args)
         model.load_state_dict(self.base)
         optimizer = make_optimizer(model, args.finetune_lr)
         scheduler = lr_schedule(optimizer, args.finetune_warmup, args.finetune_schedule, args.finetune_steps)
@@ -519,17 +506,26 @@ def finetune(row: Row, seed: int, setting: Setting) -> dict[str, Any]:
     }
 
 
+def paired_gaps(runs: list[dict[str, Any]]) -> dict[str, tuple[list[dict[str, Any]], list[float]]]:
+    """The runs of each row (in order) and their gaps to AdamW's final held-out loss of the same seed, in %."""
+    reference = {run["seed"]: run["final_eval_loss"] for run in runs if run["row"] == "adamw"}
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        rows.setdefault(run["row"], []).append(run)
+    return {
+        name: (
+            row_runs,
+            [100 * (r["final_eval_loss"] / reference[r["seed"]] - 1) for r in row_runs if r["seed"] in reference],
+        )
+        for name, row_runs in rows.items()
+    }
+
+
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per row: final loss and paired gap to AdamW (same seed) over seeds, and the mean curve."""
-    reference = {run["seed"]: run["final_eval_loss"] for run in runs if run["row"] == "adamw"}
     rows: dict[str, dict[str, Any]] = {}
-    for run in runs:
-        rows.setdefault(run["row"], {"runs": []})["runs"].append(run)
-    for name, entry in rows.items():
-        row_runs = entry["runs"]
+    for name, (row_runs, gaps) in paired_gaps(runs).items():
         finals = [run["final_eval_loss"] for run in row_runs]
-        paired = [run for run in row_runs if run["seed"] in reference]
-        gaps = [100 * (run["final_eval_loss"] / reference[run["seed"]] - 1) for run in paired]
         curves = torch.tensor([run["eval_loss"] for run in row_runs], dtype=torch.float64)
         times = torch.tensor([run["eval_train_s"] for run in row_runs], dtype=torch.float64)
         stall = sum(run["stall_s"] for run in row_runs) / max(1e-9, sum(run["train_s"] for run in row_runs))
@@ -667,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     base, base_record = load_or_pretrain(args, corpora)
     setting = build_setting(args, corpora, base)
-    model = gpt(args)
+    model = bench_train.demo_gpt(args)
     model.load_state_dict(base)
     base_loss = {
         "code": bench_train.evaluate(model, eval_set(corpora.code_heldout, args.eval_blocks, args.block_size, 16)),

@@ -53,7 +53,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from typing import Any
 
 import bench_train
@@ -631,30 +630,21 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     failures = []
     for name in args.configs:
-        print(f"[{name}] running ...", end="", flush=True)
-        try:
-            row = run_config(name, workload, compute, args)
-        except Exception as error:  # record it and go on: one GPU run should report every configuration it can
-            print(f" FAILED: {type(error).__name__}: {error}")
-            failure = {
-                "kind": "failure",
-                "name": name,
-                "error": f"{type(error).__name__}: {error}",
-                "traceback": traceback.format_exc()[-4000:],
-            }
+        row, failure = bench_utils.attempt(name, lambda name=name: run_config(name, workload, compute, args))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if failure is not None:
+            failure = {"kind": "failure", **failure}
             bench_utils.append_jsonl(args.out, failure)
             failures.append(failure)
-        else:
-            bench_utils.append_jsonl(args.out, row)
-            rows.append(row)
-            print(
-                f" median {row['median_step_ms']:.1f} ms, stall {100 * row['stall_share']:.1f} %, "
-                f"{row['measured_steps']} steps (setup {row['setup_s']:.1f} s)"
-            )
-        finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            continue
+        bench_utils.append_jsonl(args.out, row)
+        rows.append(row)
+        print(
+            f" median {row['median_step_ms']:.1f} ms, stall {100 * row['stall_share']:.1f} %, "
+            f"{row['measured_steps']} steps (setup {row['setup_s']:.1f} s)"
+        )
     print()
     if rows:
         print_table(rows)

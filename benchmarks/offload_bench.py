@@ -215,11 +215,12 @@ def gpt_config(shape: ModelShape, block: int) -> GPTConfig:
 
 def build_model(shape: ModelShape, block: int, seed: int, device: torch.device) -> GPT:
     """The same initial weights for every configuration, built directly on ``device`` (a 1.2B model is slow on CPU)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # seeds the CUDA generator too
+
+    def build() -> GPT:
         with torch.device(device):
-            model = GPT(gpt_config(shape, block))
-    return model.to(dtype=shape.dtype)
+            return GPT(gpt_config(shape, block))
+
+    return bench_train.build_seeded(build, seed).to(dtype=shape.dtype)
 
 
 def count_parameters(shape: ModelShape, block: int) -> int:
@@ -238,11 +239,7 @@ def make_batches(
     """``count`` batches of random windows of the corpus, the same for every configuration."""
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, corpus.numel() - block - 1, (count, batch), generator=generator)
-    batches = []
-    for row in starts:
-        windows = torch.stack([corpus[s : s + block + 1] for s in row.tolist()]).long()
-        batches.append((windows[:, :-1].to(device), windows[:, 1:].to(device)))
-    return batches
+    return [tuple(part.to(device) for part in bench_train.windows(corpus, row, block)) for row in starts]
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -647,13 +644,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{spec.name}] skipped: torchao is not importable (pip install torchao).")
                 skipped.append({"name": spec.name, "reason": "torchao is not importable"})
                 continue
-        print(f"[{spec.name}] running ...", end="", flush=True)
-        try:
-            result = run_spec(spec, shape, block, batches, warmup, args, device, train_cores)
-        except Exception as error:  # record it and go on: one GPU run should report every configuration it can
-            print(f" FAILED: {type(error).__name__}: {error}")
-            failures.append({"name": spec.name, "error": f"{type(error).__name__}: {error}"})
-            bench_utils.append_jsonl(rows_path, {"record": "failure", **failures[-1]})
+        result, failure = bench_utils.attempt(
+            spec.name, lambda spec=spec: run_spec(spec, shape, block, batches, warmup, args, device, train_cores)
+        )
+        if failure is not None:
+            failures.append(failure)
+            bench_utils.append_jsonl(rows_path, {"record": "failure", **failure})
             gc.collect()
             continue
         print(

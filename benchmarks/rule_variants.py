@@ -221,30 +221,25 @@ def row_records(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    reference = {run["seed"]: run["final_eval_loss"] for run in runs if run["row"] == "adamw"}
     rows: dict[str, dict[str, Any]] = {}
-    for run in runs:
-        rows.setdefault(run["row"], {"runs": []})["runs"].append(run)
     adamw = {r["seed"]: r for r in runs if r["row"] == "adamw"}
-    for entry in rows.values():
-        row_runs = entry.pop("runs")
-        gaps = [100 * (r["final_eval_loss"] / reference[r["seed"]] - 1) for r in row_runs if r["seed"] in reference]
+    for name, (row_runs, gaps) in fq.paired_gaps(runs).items():
         gap25 = [
             100 * (r["eval_loss"][1] / adamw[r["seed"]]["eval_loss"][1] - 1) for r in row_runs if r["seed"] in adamw
         ]
         jaccards = [s["jaccard"] for r in row_runs for s in r["selections"] if s["jaccard"] is not None]
-        entry.update(
-            seeds=[r["seed"] for r in row_runs],
-            final_losses=[r["final_eval_loss"] for r in row_runs],
-            gaps_percent=gaps,
-            gap_mean_percent=statistics.fmean(gaps) if gaps else None,
-            gap_spread_percent=(max(gaps) - min(gaps)) / 2 if len(gaps) > 1 else None,
-            gap_first_eval_percent=statistics.fmean(gap25) if gap25 else None,
-            selections=statistics.fmean(len(r["selections"]) for r in row_runs),
-            selection_jaccard=statistics.fmean(jaccards) if jaccards else None,
-            device_cost=row_runs[0]["device_cost"],
-            seconds=statistics.fmean(r["seconds"] for r in row_runs),
-        )
+        rows[name] = {
+            "seeds": [r["seed"] for r in row_runs],
+            "final_losses": [r["final_eval_loss"] for r in row_runs],
+            "gaps_percent": gaps,
+            "gap_mean_percent": statistics.fmean(gaps) if gaps else None,
+            "gap_spread_percent": (max(gaps) - min(gaps)) / 2 if len(gaps) > 1 else None,
+            "gap_first_eval_percent": statistics.fmean(gap25) if gap25 else None,
+            "selections": statistics.fmean(len(r["selections"]) for r in row_runs),
+            "selection_jaccard": statistics.fmean(jaccards) if jaccards else None,
+            "device_cost": row_runs[0]["device_cost"],
+            "seconds": statistics.fmean(r["seconds"] for r in row_runs),
+        }
     return rows
 
 
