@@ -262,19 +262,21 @@ def main(argv: list[str] | None = None) -> int:
             + [results[run]["eval_loss"][index] for run in RUNS]
             + [100 * (results[run]["eval_loss"][index] / reference["eval_loss"][index] - 1) for run in RUNS[1:]]
         )
-    print("\nHeld-out loss (nats per byte) during fine-tuning")
-    print(bench_utils.format_table(["step", *RUNS, "zenflow gap %", "sync-offload gap %"], rows, digits=5))
+    bench_utils.print_table(
+        "\nHeld-out loss (nats per byte) during fine-tuning",
+        ["step", *RUNS, "zenflow gap %", "sync-offload gap %"],
+        rows,
+        digits=5,
+    )
     gaps = {run: 100 * (results[run]["final_eval_loss"] / reference["final_eval_loss"] - 1) for run in RUNS}
-    print("\nFinal held-out loss")
-    print(
-        bench_utils.format_table(
-            ["run", "final loss", "gap vs adamw %", "wall s", "stall s"],
-            [
-                [run, results[run]["final_eval_loss"], gaps[run], results[run]["wall_s"], results[run]["stall_s"]]
-                for run in RUNS
-            ],
-            digits=5,
-        )
+    bench_utils.print_table(
+        "\nFinal held-out loss",
+        ["run", "final loss", "gap vs adamw %", "wall s", "stall s"],
+        [
+            [run, results[run]["final_eval_loss"], gaps[run], results[run]["wall_s"], results[run]["stall_s"]]
+            for run in RUNS
+        ],
+        digits=5,
     )
     within = abs(gaps["zenflow"]) <= 100 * PARITY_TOLERANCE
     verdict = (

@@ -271,6 +271,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: 
     return "\n".join(out)
 
 
+def print_table(title: str | None, headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 3) -> None:
+    """Print ``title`` (when given) and the rows side by side under ``headers`` (``format_table``)."""
+    if title is not None:
+        print(title)
+    print(format_table(headers, rows, digits))
+
+
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

@@ -355,10 +355,11 @@ def print_tables(summary: dict[str, dict[str, Any]], ratio_rows: dict[str, dict[
                 100 * s["stall_share"], s["eval_loss"],
             ]
         )  # fmt: skip
-    print("\nPer rank (link bytes: mean over the measured steps, counted at the engine's copy sites):")
     headers = ["mode", "ranks", "rank", "samples", "host MiB", "device MiB", "d2h MiB/step", "h2d MiB/step",
                "d2h/model", "h2d/model", "median ms", "p99 ms", "all-reduce ms", "stall %", "eval loss"]  # fmt: skip
-    print(bench_utils.format_table(headers, rows))
+    bench_utils.print_table(
+        "\nPer rank (link bytes: mean over the measured steps, counted at the engine's copy sites):", headers, rows
+    )
     machine_rows = []
     for mode, r in ratio_rows.items():
         one = summary[f"{mode} 1/0"]
@@ -371,10 +372,13 @@ def print_tables(summary: dict[str, dict[str, Any]], ratio_rows: dict[str, dict[
                 r["weights_sum_relative_difference"],
             ]
         )  # fmt: skip
-    print("\nPer machine and 2 ranks / 1 rank (per rank: mean of the ranks; step times: the slower rank):")
     headers = ["mode", "host MiB 1 rank", "host MiB 2 ranks (sum)", "host/rank", "host/machine", "device/rank",
                "d2h/rank", "h2d/rank", "median step", "p99 step", "eval loss diff", "weight sum diff"]  # fmt: skip
-    print(bench_utils.format_table(headers, machine_rows))
+    bench_utils.print_table(
+        "\nPer machine and 2 ranks / 1 rank (per rank: mean of the ranks; step times: the slower rank):",
+        headers,
+        machine_rows,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------- main

@@ -561,12 +561,20 @@ def print_tables(summary: dict[str, dict[str, Any]], rows: list[Row]) -> None:
 
     headers = ["row", "seeds", "final held-out loss", "vs AdamW (paired)", "train s", "stall %"]
     main = [row for row in rows if row in MAIN_ROWS and row.name in summary]
-    print("\nMain rows: final held-out loss (nats per byte), mean ± std over seeds")
-    print(bench_utils.format_table(headers, [line(row) for row in main], digits=4))
+    bench_utils.print_table(
+        "\nMain rows: final held-out loss (nats per byte), mean ± std over seeds",
+        headers,
+        [line(row) for row in main],
+        digits=4,
+    )
     ablations = [row for row in rows if row in ABLATION_ROWS and row.name in summary]
     if ablations:
-        print("\nAblations (the paper's rule with the change in the last column)")
-        print(bench_utils.format_table([*headers, "change"], [[*line(r), r.what] for r in ablations], digits=4))
+        bench_utils.print_table(
+            "\nAblations (the paper's rule with the change in the last column)",
+            [*headers, "change"],
+            [[*line(r), r.what] for r in ablations],
+            digits=4,
+        )
     names = [row.name for row in main]
     steps = summary[names[0]]["eval_steps"]
     curve_rows = [
@@ -575,8 +583,12 @@ def print_tables(summary: dict[str, dict[str, Any]], rows: list[Row]) -> None:
         + [summary[name]["mean_eval_train_s"][i] for name in names]
         for i, step in enumerate(steps)
     ]
-    print("\nHeld-out loss during fine-tuning (mean over seeds) and the training wall time at that point (s)")
-    print(bench_utils.format_table(["step", *names, *[f"s {name}" for name in names]], curve_rows, digits=4))
+    bench_utils.print_table(
+        "\nHeld-out loss during fine-tuning (mean over seeds) and the training wall time at that point (s)",
+        ["step", *names, *[f"s {name}" for name in names]],
+        curve_rows,
+        digits=4,
+    )
 
 
 def print_probes(probes: dict[str, Any]) -> None:
@@ -590,13 +602,11 @@ def print_probes(probes: dict[str, Any]) -> None:
         ]
         for entry in probes["steps"]
     ]
-    print("\nGradient concentration and stability in the AdamW fine-tunes (mean over matrices and seeds)")
-    print(
-        bench_utils.format_table(
-            ["step", "top 1 % cols, % of |g|²", "top 10 %", "Jaccard top-10 % vs prev", "step-1 set captures %"],
-            rows,
-            digits=3,
-        )
+    bench_utils.print_table(
+        "\nGradient concentration and stability in the AdamW fine-tunes (mean over matrices and seeds)",
+        ["step", "top 1 % cols, % of |g|²", "top 10 %", "Jaccard top-10 % vs prev", "step-1 set captures %"],
+        rows,
+        digits=3,
     )
     print(
         "(a uniform spread would give 1 % and 10 %; two random 10 % sets overlap by Jaccard ~0.053; "
@@ -608,13 +618,11 @@ def print_probes(probes: dict[str, Any]) -> None:
          100 * v.get("last_first_captures", math.nan)]
         for kind, v in probes["kinds"].items()
     ]  # fmt: skip
-    print("\nBy matrix kind (mean over layers and seeds): first and last probe")
-    print(
-        bench_utils.format_table(
-            ["matrix", "top 1 % first", "top 10 % first", "top 1 % last", "top 10 % last", "step-1 set last"],
-            kind_rows,
-            digits=3,
-        )
+    bench_utils.print_table(
+        "\nBy matrix kind (mean over layers and seeds): first and last probe",
+        ["matrix", "top 1 % first", "top 10 % first", "top 1 % last", "top 10 % last", "step-1 set last"],
+        kind_rows,
+        digits=3,
     )
 
 

@@ -537,7 +537,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 f"{r['measured_steps']}{'*' if r['truncated_by_budget'] else ''}",
             ]
         )
-    print(bench_utils.format_table(headers, table))
+    bench_utils.print_table(None, headers, table)
     print(
         "median/p99: wall time of a whole step (stand-in, gradients, optimizer, host wait for the compute stream); "
         "GPU ms: CUDA events on the compute stream; stall %: sum of StepStats.stall_s / sum of step times; "

@@ -303,27 +303,25 @@ def main(argv: list[str] | None = None) -> int:
         del problem, optimizer
         gc.collect()
 
-    print("\nHost AdamW throughput")
-    print(
-        bench_utils.format_table(
-            [
-                "size",
-                "threads",
-                "engine ms",
-                "engine Mparam/s",
-                "engine GB/s",
-                "worker ms",
-                "worker wall ms",
-                "AdamW ms",
-                "AdamW GB/s",
-                "engine/AdamW",
-                "copy GB/s",
-                "engine/copy",
-                "add_ GB/s",
-                "engine/add_",
-            ],
-            rows,
-        )
+    bench_utils.print_table(
+        "\nHost AdamW throughput",
+        [
+            "size",
+            "threads",
+            "engine ms",
+            "engine Mparam/s",
+            "engine GB/s",
+            "worker ms",
+            "worker wall ms",
+            "AdamW ms",
+            "AdamW GB/s",
+            "engine/AdamW",
+            "copy GB/s",
+            "engine/copy",
+            "add_ GB/s",
+            "engine/add_",
+        ],
+        rows,
     )
     worst = min(r["ratio_to_fused_adamw"] for r in records)
     print(
@@ -353,12 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                     rates["index_add_alpha"] / 1e9,
                 ]
             )
-    print("\nHost add of accumulate_on='host' (G elements/s; packed contiguous accumulator)")
-    print(
-        bench_utils.format_table(
-            ["size", "threads", "plain add_", "engine fp32", "/add_", "engine bf16", "/add_", "old index_add_"],
-            add_rows,
-        )
+    bench_utils.print_table(
+        "\nHost add of accumulate_on='host' (G elements/s; packed contiguous accumulator)",
+        ["size", "threads", "plain add_", "engine fp32", "/add_", "engine bf16", "/add_", "old index_add_"],
+        add_rows,
     )
     lowest_add = min(min(r["engine_fp32_ratio_to_plain_add"], r["engine_bf16_ratio_to_plain_add"]) for r in add_records)
     print(

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         [run["name"], run["rc"], "n/a" if run["val_loss"] is None else f"{run['val_loss']:.3f}", f"{run['wall_s']:.1f}"]
         for run in runs
     ]
-    print(bench_utils.format_table(["optimizer", "exit", "final val loss", "wall s"], rows))
+    bench_utils.print_table(None, ["optimizer", "exit", "final val loss", "wall s"], rows)
     print(f"logs: {args.out}/<optimizer>.log")
     payload = bench_utils.payload(
         "litgpt_recipe",

@@ -571,15 +571,13 @@ def main(argv: list[str] | None = None) -> int:
         batch, block, calibration = calibrate(shape, corpus, args, device)
     gc.collect()  # free the calibration model before the runs
     calibration["seconds"] = time.perf_counter() - calibration_started
-    print(f"\nCalibration ({'fused AdamW step and fwd+bwd on the training cores' if surrogate else 'measured'}):")
-    print(
-        bench_utils.format_table(
-            ["batch", "block", "tokens", "fwd+bwd ms", "AdamW ms", "AdamW/fwd+bwd"],
-            [
-                [c["batch"], c["block"], c["tokens"], c["fwd_bwd_s"] * 1e3, c["adamw_s"] * 1e3, c["adamw_over_fwd_bwd"]]
-                for c in calibration["candidates"]
-            ],
-        )
+    bench_utils.print_table(
+        f"\nCalibration ({'fused AdamW step and fwd+bwd on the training cores' if surrogate else 'measured'}):",
+        ["batch", "block", "tokens", "fwd+bwd ms", "AdamW ms", "AdamW/fwd+bwd"],
+        [
+            [c["batch"], c["block"], c["tokens"], c["fwd_bwd_s"] * 1e3, c["adamw_s"] * 1e3, c["adamw_over_fwd_bwd"]]
+            for c in calibration["candidates"]
+        ],
     )
     ratio = next(
         c["adamw_over_fwd_bwd"] for c in calibration["candidates"] if (c["batch"], c["block"]) == (batch, block)

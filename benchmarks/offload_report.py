@@ -82,23 +82,21 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, dict[str, Any
                 s.get("step_over_fwd_bwd_plus_device_update"),
             ]
         )
-    print("\nStep time (median and p99 over the measured steps)")
-    print(
-        bench_utils.format_table(
-            [
-                "config",
-                "median ms",
-                "p99 ms",
-                "p99/med",
-                "x no-offload",
-                "speedup vs sync",
-                "of ideal",
-                "gain recovered",
-                "stall %",
-                "step/(fb+dev)",
-            ],
-            timing_rows,
-        )
+    bench_utils.print_table(
+        "\nStep time (median and p99 over the measured steps)",
+        [
+            "config",
+            "median ms",
+            "p99 ms",
+            "p99/med",
+            "x no-offload",
+            "speedup vs sync",
+            "of ideal",
+            "gain recovered",
+            "stall %",
+            "step/(fb+dev)",
+        ],
+        timing_rows,
     )
     traffic_rows = []
     for r in results:
@@ -118,8 +116,9 @@ def print_report(results: list[dict[str, Any]], summary: dict[str, dict[str, Any
     headers = ["config", "PCIe/model B", "budget", "device B/param", "host B/param", "dev upd ms", "host upd ms"]
     if is_cuda:
         headers.append("peak GiB")
-    print("\nTraffic and memory (bytes per step over model bytes; optimizer bytes per parameter)")
-    print(bench_utils.format_table(headers, traffic_rows))
+    bench_utils.print_table(
+        "\nTraffic and memory (bytes per step over model bytes; optimizer bytes per parameter)", headers, traffic_rows
+    )
 
 
 def target_checks(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:

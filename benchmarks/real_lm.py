@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"base held-out loss {data['base_loss']:.4f}")
     print(f"premise: share of the squared gradient norm in the top {RHO:.0%} of columns (first batch, base)")
     table = [[k, kinds[k]["matrices"], kinds[k]["share"]] for k in KINDS if k in kinds]
-    print(bench_utils.format_table(["matrix kind", "matrices", f"top {RHO:.0%} share"], table))
+    bench_utils.print_table(None, ["matrix kind", "matrices", f"top {RHO:.0%} share"], table)
 
     runs = []
     for name in args.rows:
@@ -333,10 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nheld-out loss (base {data['base_loss']:.4f}); seconds per step: median (mean), evaluations excluded")
     keys = ("row", "final_heldout_loss", "gap_to_adamw_pct", "median_step_s", "mean_step_s")
     rows = [[run[key] for key in keys] for run in runs]
-    print(bench_utils.format_table(["row", "final held-out", "gap to adamw %", "s/step", "mean s/step"], rows, 4))
+    bench_utils.print_table(None, ["row", "final held-out", "gap to adamw %", "s/step", "mean s/step"], rows, 4)
     steps = [point["step"] for point in runs[0]["curve"]]
     curve = [[step, *(run["curve"][i]["heldout_loss"] for run in runs)] for i, step in enumerate(steps)]
-    print("\nheld-out curve\n" + bench_utils.format_table(["step", *args.rows], curve, 4))
+    bench_utils.print_table("\nheld-out curve", ["step", *args.rows], curve, 4)
 
     payload = bench_utils.payload(
         "real_lm",

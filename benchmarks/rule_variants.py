@@ -260,8 +260,12 @@ def print_table(summary: dict[str, dict[str, Any]], rows: Sequence[Row]) -> None
         ])  # fmt: skip
     headers = ["row", "seeds", "final held-out loss", "vs AdamW (paired)", "gap @ 1st eval %", "device share %",
                "device B/elem", "selections", "Jaccard"]  # fmt: skip
-    print("\nFinal held-out loss (nats per byte), mean ± std over seeds; gap to AdamW paired by seed")
-    print(bench_utils.format_table(headers, lines, digits=4))
+    bench_utils.print_table(
+        "\nFinal held-out loss (nats per byte), mean ± std over seeds; gap to AdamW paired by seed",
+        headers,
+        lines,
+        digits=4,
+    )
     print("\nWhat each variant needs from the host, and when")
     for row in rows:
         if row.name in summary and row.rule is not None:
