@@ -23,12 +23,12 @@ from lightning_zenflow.optim import ZenFlowAdamW
 __version__ = "0.1.0"
 
 _LIGHTNING_NAMES = {
-    "CheckpointError": "lightning_zenflow.strategy",
-    "ZenFlowFabricStrategy": "lightning_zenflow.fabric",
-    "ZenFlowDDPStrategy": "lightning_zenflow.ddp",
-    "ZenFlowPrecision": "lightning_zenflow.precision",
-    "ZenFlowStrategy": "lightning_zenflow.strategy",
-    "ZenFlowTelemetry": "lightning_zenflow.telemetry",
+    "CheckpointError": "lightning_zenflow.strategies.base",
+    "ZenFlowFabricStrategy": "lightning_zenflow.integrations.fabric",
+    "ZenFlowDDPStrategy": "lightning_zenflow.strategies.ddp",
+    "ZenFlowPrecision": "lightning_zenflow.strategies.precision",
+    "ZenFlowStrategy": "lightning_zenflow.strategies.single",
+    "ZenFlowTelemetry": "lightning_zenflow.strategies.telemetry",
 }
 
 # The spawned host worker imports this package only to reach lightning_zenflow.engine.host and needs no
@@ -39,11 +39,12 @@ if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_zenflow import cli_hint
-    from lightning_zenflow.ddp import ZenFlowDDPStrategy
-    from lightning_zenflow.fabric import ZenFlowFabricStrategy
-    from lightning_zenflow.precision import ZenFlowPrecision
-    from lightning_zenflow.strategy import CheckpointError, ZenFlowStrategy
-    from lightning_zenflow.telemetry import ZenFlowTelemetry
+    from lightning_zenflow.integrations.fabric import ZenFlowFabricStrategy
+    from lightning_zenflow.strategies.base import CheckpointError
+    from lightning_zenflow.strategies.ddp import ZenFlowDDPStrategy
+    from lightning_zenflow.strategies.precision import ZenFlowPrecision
+    from lightning_zenflow.strategies.single import ZenFlowStrategy
+    from lightning_zenflow.strategies.telemetry import ZenFlowTelemetry
 
     ZenFlowStrategy.register_strategies(StrategyRegistry)
     ZenFlowDDPStrategy.register_strategies(StrategyRegistry)

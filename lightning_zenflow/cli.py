@@ -34,7 +34,8 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.strategy import ZenFlowStrategy, ZenFlowStrategyBase
+from lightning_zenflow.strategies.base import ZenFlowStrategyBase
+from lightning_zenflow.strategies.single import ZenFlowStrategy
 
 PROG = "lightning-zenflow"
 DEBUG_ENV = "LIGHTNING_ZENFLOW_DEBUG"

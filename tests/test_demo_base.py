@@ -19,7 +19,7 @@ from lightning_zenflow.demo.base import (
     load_or_pretrain_base,
 )
 from lightning_zenflow.demo.stdlib import split_docstrings
-from lightning_zenflow.telemetry import ZenFlowTelemetry
+from lightning_zenflow.strategies.telemetry import ZenFlowTelemetry
 
 TINY_MODEL = {"block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16}
 CPU = torch.device("cpu")

@@ -34,7 +34,7 @@ from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine import preflight as preflight_module
 from lightning_zenflow.engine.layout import HOST_ROWS, allocate_host_buffers, build_layout
 from lightning_zenflow.engine.preflight import HostResourceError, MachineResources, check_host_resources
-from lightning_zenflow.strategy import CheckpointError
+from lightning_zenflow.strategies.base import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 

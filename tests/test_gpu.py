@@ -36,7 +36,7 @@ from lightning_helpers import (
 from lightning_zenflow import ZenFlowPrecision, ZenFlowStrategy
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine import ZenFlowEngine
-from lightning_zenflow.engine.transfer import STAGING_SLOT_BYTES
+from lightning_zenflow.engine.accumulate import STAGING_SLOT_BYTES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -308,7 +308,7 @@ def test_a_host_block_dtensor_stays_on_the_host_under_a_cuda_mesh(tmp_path: path
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zenflow.sharded import host_resident_dtensor
+    from lightning_zenflow.strategies.sharded import host_resident_dtensor
 
     dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
     try:

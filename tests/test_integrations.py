@@ -137,7 +137,7 @@ def test_fabric_two_ranks_with_the_zenflow_strategy_equal_one_process(tmp_path: 
 
 def test_fabric_zenflow_refuses_another_optimizer() -> None:
     from lightning_zenflow import UnsupportedSetupError
-    from lightning_zenflow.fabric import ZenFlowFabricStrategy
+    from lightning_zenflow.integrations.fabric import ZenFlowFabricStrategy
 
     strategy = ZenFlowFabricStrategy.__new__(ZenFlowFabricStrategy)
     with pytest.raises(UnsupportedSetupError, match="trains lightning_zenflow.ZenFlowAdamW, got AdamW"):

@@ -27,6 +27,7 @@ from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine import lanes as lanes_module
 from lightning_zenflow.engine.lanes import LaneError, Lanes, lane_mode
+from lightning_zenflow.engine.window import WindowEnd
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
 
@@ -423,7 +424,7 @@ def test_the_kept_count_wait_of_two_windows_ago_is_caught(mutation_baselines, mo
     """The review's N1: the side lane waited on the slot's event *after* the slot flipped, i.e. on the copy of
     two windows ago; a slow copy down then reads counts the next window has zeroed or recounted."""
     monkeypatch.setenv("LIGHTNING_ZENFLOW_LANES", "adversarial")
-    monkeypatch.setattr(ZenFlowEngine, "_closed_window_copied", lambda self: self._window_copied[self.schedule.slot])
+    monkeypatch.setattr(WindowEnd, "closed_window_copied", lambda self, open_slot: self.copied[open_slot])
     run = _run(mode, torch.float32, delays={"d2h": 0.02}, update_interval=2)
     differences = _differences(run, mutation_baselines[mode])
     assert any(d.startswith("divisors") for d in differences), differences
@@ -437,7 +438,7 @@ def test_a_sharded_checkpoint_block_is_never_moved_to_the_mesh_device(tmp_path, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_zenflow.sharded import host_resident_dtensor
+    from lightning_zenflow.strategies.sharded import host_resident_dtensor
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
     try:

@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning_helpers import RecordWorkerPid, TinyModule, make_trainer, process_gone, weights
 
 from lightning_zenflow import HostWorkerError, ZenFlowStrategy
-from lightning_zenflow.strategy import _SyncBoundaries
-from lightning_zenflow.telemetry import ZenFlowTelemetry
+from lightning_zenflow.strategies.base import _SyncBoundaries
+from lightning_zenflow.strategies.telemetry import ZenFlowTelemetry
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 

@@ -22,7 +22,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Lazy so that `import lightning_zenflow.demo` never pulls in the optional Hugging Face wrapper's dependencies.
     if name == "HFCausalLMModule":
-        from lightning_zenflow.demo.model import HFCausalLMModule
+        from lightning_zenflow.demo.hf import HFCausalLMModule
 
         return HFCausalLMModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

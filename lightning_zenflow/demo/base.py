@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_zenflow.demo.data import corpus_fingerprint, load_corpus_bytes
-from lightning_zenflow.demo.model import GPT, GPTConfig, WarmupSchedule
+from lightning_zenflow.demo.gpt import GPT, GPTConfig, WarmupSchedule
 
 CACHE_FORMAT = 2
 """Version of the cache file's layout and of the pre-training loop; a change makes every cached base stale."""

@@ -1,4 +1,4 @@
-"""The demo language models: a small GPT written here, and a wrapper that fine-tunes a Hugging Face causal LM.
+"""The demo LightningModule around the small GPT of ``demo/gpt.py`` (``demo/hf.py`` wraps a Hugging Face causal LM).
 
 Both consume the ``(x, y)`` byte batches of :class:`~lightning_zenflow.demo.data.ByteCorpusDataModule` and train
 with a plain ``torch.optim.AdamW`` (or ``Adam``) over two parameter groups, so an optimizer plugin sees the same
@@ -11,186 +11,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-_TRANSFORMERS_INSTALL_HINT = "pip install 'lightning-zenflow[transformers]'"
+from lightning_zenflow.demo.base import PretrainRecipe, load_base_weights, load_or_pretrain_base
+from lightning_zenflow.demo.gpt import GPT, GPTConfig, WarmupSchedule
 
-
-@dataclass
-class GPTConfig:
-    """Shape of :class:`GPT`.
-
-    The defaults give 875,264 parameters; a training step on 16 blocks of 128 bytes takes about 0.19 s on one CPU
-    core and 0.12 s on two.
-    """
-
-    vocab_size: int = 256
-    """Number of token ids (256 for byte-level text)."""
-
-    block_size: int = 128
-    """Longest sequence the model accepts (size of the learned position table)."""
-
-    n_layer: int = 4
-    """Transformer blocks."""
-
-    n_head: int = 4
-    """Attention heads per block; must divide ``n_embd``."""
-
-    n_embd: int = 128
-    """Width of the residual stream."""
-
-    dropout: float = 0.0
-    """Dropout on embeddings, attention weights and residual branches (0 keeps runs bit-comparable)."""
-
-    bias: bool = True
-    """Biases in the Linear layers and LayerNorms (the lm_head never has one)."""
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}.")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be at least 1.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout} must be in [0, 1).")
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which each position sees only itself and earlier positions."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = config.n_head
-        self.dropout = config.dropout
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, width = hidden.shape
-        # (B, T, 3C) -> three (B, n_head, T, head_dim) tensors, the layout scaled_dot_product_attention expects.
-        query, key, value = (
-            part.view(batch, seq_len, self.n_head, width // self.n_head).transpose(1, 2)
-            for part in self.qkv(hidden).split(width, dim=2)
-        )
-        attended = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        attended = attended.transpose(1, 2).contiguous().view(batch, seq_len, width)
-        return self.resid_dropout(self.proj(attended))
-
-
-class MLP(nn.Module):
-    """The position-wise feed-forward branch: widen 4x, GELU, project back."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(hidden))))
-
-
-class Block(nn.Module):
-    """One pre-LayerNorm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.ln_attn = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_mlp = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_attn(hidden))
-        return hidden + self.mlp(self.ln_mlp(hidden))
-
-
-class GPT(nn.Module):
-    """A small decoder-only transformer with learned positions and an untied output head."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.token_embedding = nn.Embedding(config.vocab_size, config.n_embd)
-        self.position_embedding = nn.Embedding(config.block_size, config.n_embd)
-        self.embedding_dropout = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_final = nn.LayerNorm(config.n_embd, bias=config.bias)
-        # No bias and no tie to token_embedding: every parameter stays a distinct tensor (see the module docstring).
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def num_parameters(self) -> int:
-        """Number of scalar parameters (embeddings included)."""
-        return sum(param.numel() for param in self.parameters())
-
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next-token logits for every position, and their mean cross-entropy against ``targets`` if given.
-
-        Args:
-            idx: token ids, shape ``(batch, seq_len)`` with ``seq_len <= block_size``.
-            targets: the token that follows each position, same shape as ``idx``.
-
-        Returns:
-            ``(logits, loss)``: logits of shape ``(batch, seq_len, vocab_size)``; ``loss`` is ``None`` without targets.
-        """
-        seq_len = idx.shape[1]
-        if seq_len > self.config.block_size:
-            raise ValueError(
-                f"Sequence length {seq_len} exceeds block_size={self.config.block_size}; build the model with a "
-                "larger block_size or feed shorter sequences."
-            )
-        positions = torch.arange(seq_len, device=idx.device)
-        hidden = self.embedding_dropout(self.token_embedding(idx) + self.position_embedding(positions))
-        for block in self.blocks:
-            hidden = block(hidden)
-        logits = self.lm_head(self.ln_final(hidden))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
-
-
-class WarmupSchedule:
-    """LR factor for ``LambdaLR``: linear warmup to 1, then constant or a cosine decay to ``min_factor``.
-
-    A class rather than a closure so that ``LambdaLR.state_dict()`` stores it and a resumed run continues the curve.
-    """
-
-    def __init__(self, warmup_steps: int, kind: Literal["constant", "cosine"], total_steps: int | None) -> None:
-        self.warmup_steps = warmup_steps
-        self.kind = kind
-        self.total_steps = total_steps
-        self.min_factor = 0.1
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.kind == "constant" or self.total_steps is None:
-            return 1.0
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        return self.min_factor + (1.0 - self.min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+__all__ = ["GPT", "CausalLMModule", "GPTConfig", "WarmupSchedule"]
 
 
 def _validate_optimizer_args(
@@ -339,9 +169,6 @@ class CausalLMModule(LightningModule):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed_model)
                 self.model = GPT(config)
-        # a function-level import: base.py builds GPTs, so it imports this module
-        from lightning_zenflow.demo.base import PretrainRecipe, load_base_weights
-
         self._pretrain_recipe: PretrainRecipe | None = None
         if base_checkpoint is not None:
             # loaded now, not at setup: a wrong file is a configuration error, reported before anything runs
@@ -364,8 +191,6 @@ class CausalLMModule(LightningModule):
         """
         if self._pretrain_recipe is None:
             return
-        from lightning_zenflow.demo.base import load_or_pretrain_base
-
         cache_dir = self.hparams.pretrain_cache_dir or os.path.join(self.trainer.default_root_dir, "base_cache")
         state = load_or_pretrain_base(
             self.model.config, self._pretrain_recipe, cache_dir, device=self.trainer.strategy.root_device
@@ -408,133 +233,6 @@ class CausalLMModule(LightningModule):
         """The most likely next byte at every position; with ``(x, y)`` batches, a dict that adds the loss."""
         idx, targets = (batch, None) if isinstance(batch, torch.Tensor) else batch
         logits, loss = self.model(idx, targets)
-        return _predict_output(logits, loss)
-
-    def configure_optimizers(self) -> Any:
-        return _build_optimizer_and_schedule(self, self.model.parameters())
-
-
-def _untie_output_embeddings(model: nn.Module) -> None:
-    """Give the output head its own copy of the input embedding if the two share one tensor."""
-    input_embeddings = model.get_input_embeddings()
-    output_embeddings = model.get_output_embeddings()
-    if output_embeddings is None or output_embeddings.weight is not input_embeddings.weight:
-        return
-    output_embeddings.weight = nn.Parameter(input_embeddings.weight.detach().clone())
-    # Without this, transformers re-ties the two on save/load or resize_token_embeddings.
-    model.config.tie_word_embeddings = False
-
-
-class HFCausalLMModule(LightningModule):
-    """Fine-tunes a Hugging Face causal LM on ``(x, y)`` batches (needs ``transformers``).
-
-    ``y`` is already ``x`` shifted by one, so the loss is computed here from the logits rather than passing
-    ``labels=`` to the model (which would shift a second time).
-    """
-
-    def __init__(
-        self,
-        model_name_or_path: str | None = None,
-        config_overrides: dict[str, Any] | None = None,
-        learning_rate: float = 5e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        optimizer: Literal["adamw", "adam"] = "adamw",
-        warmup_steps: int = 0,
-        lr_schedule: Literal["constant", "cosine"] = "constant",
-        max_steps_for_schedule: int | None = None,
-        seed_model: int | None = None,
-    ) -> None:
-        """Load or build the model.
-
-        Args:
-            model_name_or_path: a Hugging Face model id or local folder, loaded with ``from_pretrained`` (an id
-                needs the files cached locally or a network). ``None`` builds a small randomly initialised GPT-2 for
-                byte tokens (vocabulary 256, 128 positions, width 64, 2 layers, 2 heads, no dropout): offline.
-            config_overrides: ``GPT2Config`` fields that replace those defaults (only with ``model_name_or_path=None``).
-            learning_rate: peak learning rate.
-            weight_decay: decay of matrices and embeddings; biases and LayerNorm weights get none.
-            betas: Adam's moment coefficients.
-            eps: Adam's denominator epsilon.
-            optimizer: ``"adamw"`` or ``"adam"``.
-            warmup_steps: optimizer steps of linear warmup.
-            lr_schedule: after warmup, ``"constant"`` or ``"cosine"`` decay to 10% of ``learning_rate``.
-            max_steps_for_schedule: length of the cosine schedule; ``None`` takes the Trainer's estimate.
-            seed_model: seed of the random initialisation alone (global RNG untouched); ``None`` uses the global RNG.
-
-        The input embedding and the output head are untied so every parameter is a distinct tensor.
-        """
-        super().__init__()
-        try:
-            import transformers
-        except ImportError as error:
-            raise ImportError(
-                f"HFCausalLMModule needs the `transformers` package: {_TRANSFORMERS_INSTALL_HINT}"
-            ) from error
-        _validate_optimizer_args(learning_rate, weight_decay, betas, eps, warmup_steps)
-        if model_name_or_path is not None and config_overrides:
-            raise ValueError(
-                "config_overrides applies only to the random GPT-2 built when model_name_or_path is None; "
-                f"got model_name_or_path={model_name_or_path!r}. Drop config_overrides or model_name_or_path."
-            )
-        self.save_hyperparameters()
-        with torch.random.fork_rng(devices=[], enabled=seed_model is not None):
-            if seed_model is not None:
-                torch.manual_seed(seed_model)
-            if model_name_or_path is None:
-                config_fields: dict[str, Any] = {
-                    "vocab_size": 256,
-                    "n_positions": 128,
-                    "n_embd": 64,
-                    "n_layer": 2,
-                    "n_head": 2,
-                    # Byte tokens have no special ids; GPT-2's 50256 would lie outside the 256-entry vocabulary.
-                    "bos_token_id": None,
-                    "eos_token_id": None,
-                    # No dropout, like CausalLMModule's default, so runs that differ only in the optimizer compare.
-                    "resid_pdrop": 0.0,
-                    "embd_pdrop": 0.0,
-                    "attn_pdrop": 0.0,
-                    "tie_word_embeddings": False,
-                    **(config_overrides or {}),
-                }
-                config = transformers.GPT2Config(**config_fields)
-                self.model = transformers.AutoModelForCausalLM.from_config(config)
-            else:
-                self.model = transformers.AutoModelForCausalLM.from_pretrained(model_name_or_path)
-        _untie_output_embeddings(self.model)
-
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(logits, loss)`` like :meth:`GPT.forward`: ``targets`` are the next tokens, already shifted."""
-        logits = self.model(input_ids=idx).logits
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        _, loss = self(*batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        _, loss = self(*batch)
-        self.log("val_loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
-        return loss
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        _, loss = self(*batch)
-        self.log("test_loss", loss, on_epoch=True, sync_dist=True)
-        return loss
-
-    def predict_step(
-        self, batch: torch.Tensor | tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The most likely next token at every position; with ``(x, y)`` batches, a dict that adds the loss."""
-        idx, targets = (batch, None) if isinstance(batch, torch.Tensor) else batch
-        logits, loss = self(idx, targets)
         return _predict_output(logits, loss)
 
     def configure_optimizers(self) -> Any:

@@ -24,8 +24,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine.device import HyperParams, SelectedState
+from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.lanes import Lanes
+from lightning_zenflow.engine.layout import GroupLayout
 
 _KEYS = ("interim_row", "interim_col", "interim_count")
 
@@ -146,3 +149,42 @@ def _moves(work: list, found_inf: torch.Tensor | None) -> None:
             move = factored_moves(grad2d, state.unselected, row, col, count, hp.beta2, hp.eps, coefficient, keep)
             if move is not None:
                 slot.param.data.view(slot.rows, slot.cols).index_add_(1, state.unselected, move)
+
+
+def resolve_interim_scale(
+    config: ZenFlowConfig, layout: Sequence[GroupLayout], hparams: Sequence[HyperParams]
+) -> float:
+    """``interim_step`` as a number: an explicit one is checked against the model (fp32 weights, AdamW-style decay);
+    ``"auto"`` is 1 where those hold and windows are longer than one step, else 0 (the paper's rule)."""
+    value = config.interim_step
+    odd = sorted({str(s.param.dtype) for g in layout for s in g.matrices if s.param.dtype != torch.float32})
+    if value == "auto":
+        applies = (
+            config.update_interval != 1
+            and config.topk_ratio < 1
+            and not odd
+            and all(hp.decoupled or not hp.weight_decay for hp in hparams)
+        )
+        return 1.0 if applies else 0.0
+    value = float(value)
+    if value <= 0:
+        return 0.0
+    check_interim_decay(hparams)
+    if odd and config.topk_ratio < 1:
+        raise UnsupportedSetupError(
+            f"interim_step={config.interim_step} moves the weights of host columns in place, which needs "
+            f"fp32 weights; this model has matrices in {', '.join(odd)}. Train with fp32 weights (precision "
+            "'32-true' or '16-mixed'/'bf16-mixed', which keep them), or set interim_step=0."
+        )
+    return value
+
+
+def check_interim_decay(hparams: Sequence[HyperParams]) -> None:
+    """Adam's L2 weight decay (in the gradient) cannot be combined with the moves: refused, naming the group."""
+    for index, hp in enumerate(hparams):
+        if not hp.decoupled and hp.weight_decay:
+            raise UnsupportedSetupError(
+                f"param group {index} runs Adam with weight_decay={hp.weight_decay} (an L2 term in the gradient), "
+                "which interim_step cannot combine with its moves; use torch.optim.AdamW (decoupled decay) or set "
+                "interim_step=0."
+            )

@@ -18,7 +18,6 @@ the device copies them from there (one model-dtype copy per window instead of an
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ import torch
 
 from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.engine.shm import shared_memory_error, shared_zeros
 
 HOST_ROWS = 5
 """Rows of a group's host block: master, exp_avg, exp_avg_sq, grad_acc[0], grad_acc[1]."""
@@ -185,19 +185,6 @@ class GroupHostBuffers:
         return self.block_shared[ROW_GRAD_ACC + slot]
 
 
-def shared_zeros(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zero tensor allocated directly in shared memory.
-
-    ``torch.zeros(...).share_memory_()`` builds the tensor in private memory and then copies it into a new shared
-    segment: twice its size at the peak, and every page touched twice. Here the segment is created first (torch
-    reserves all of its pages at once, so a full ``/dev/shm`` fails now rather than at a later page fault) and the
-    tensor is a view of it; a new segment reads as zeros, so nothing is written.
-    """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    storage = torch.UntypedStorage._new_shared(nbytes)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
-
-
 def allocate_host_buffers(layout: Sequence[GroupLayout]) -> list[GroupHostBuffers]:
     """Allocate every group's host block in shared memory and fill the master with the current weights.
 
@@ -211,8 +198,6 @@ def allocate_host_buffers(layout: Sequence[GroupLayout]) -> list[GroupHostBuffer
             block_shared = shared_zeros((HOST_ROWS, group.host_numel))
             step_shared = shared_zeros((len(group.matrices),))
         except RuntimeError as error:
-            from lightning_zenflow.engine.preflight import shared_memory_error
-
             needed = sum(HOST_BYTES_PER_ELEMENT * g.host_numel for g in layout)
             raise shared_memory_error(needed, error) from error
         host = GroupHostBuffers(block_shared=block_shared, step_shared=step_shared)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import resource
 import warnings
@@ -33,19 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_zenflow.engine.accumulate import STAGING_SLOT_BYTES
+from lightning_zenflow.engine.errors import HostResourceError
 from lightning_zenflow.engine.host import UNPACK_SCRATCH_ELEMENTS
 from lightning_zenflow.engine.layout import HOST_BYTES_PER_ELEMENT, GroupLayout
-from lightning_zenflow.engine.transfer import STAGING_SLOT_BYTES
+from lightning_zenflow.engine.shm import SHM_PATH, format_bytes, shm_size_flag, shm_space
 
 SKIP_ENV = "LIGHTNING_ZENFLOW_SKIP_PREFLIGHT"
-SHM_PATH = "/dev/shm"
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _UNLIMITED_CGROUP = 1 << 60
 """A cgroup v1 memory limit above this is the kernel's way of saying "no limit"."""
-
-
-class HostResourceError(RuntimeError):
-    """The machine lacks the shared memory or RAM the host state needs; the message gives the figures and the fix."""
 
 
 @dataclass(frozen=True)
@@ -155,11 +151,7 @@ def _memlock() -> tuple[int | None, int | None]:
 
 def measure_machine(shm_path: str = SHM_PATH) -> MachineResources:
     """Measure free shared memory, available RAM (machine and container) and the locked-memory limits."""
-    shm_free = shm_total = None
-    if torch.multiprocessing.get_sharing_strategy() in ("file_descriptor", "file_system") and os.path.isdir(shm_path):
-        with contextlib.suppress(OSError):
-            stat = os.statvfs(shm_path)
-            shm_free, shm_total = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+    shm_free, shm_total = shm_space(shm_path)
     available, source = _mem_available(), "MemAvailable"
     headroom = _cgroup_headroom()
     if headroom is not None and (available is None or headroom < available):
@@ -176,18 +168,6 @@ def measure_machine(shm_path: str = SHM_PATH) -> MachineResources:
 
 
 # ------------------------------------------------------------------------------------------------- the check
-def format_bytes(nbytes: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{int(nbytes)} B"
-
-
-def _shm_size_flag(needed: int) -> str:
-    # whole GiB, with room left for what else uses /dev/shm (DataLoader workers pass their batches through it)
-    return f"{math.ceil(needed / (1 << 30)) + 1}g"
-
-
 def problems(needs: HostNeeds, machine: MachineResources, shm_path: str = SHM_PATH) -> list[str]:
     """The shortfalls of ``machine`` for ``needs``, each a sentence with both figures and its fix (empty: it fits)."""
     found = []
@@ -197,7 +177,7 @@ def problems(needs: HostNeeds, machine: MachineResources, shm_path: str = SHM_PA
         found.append(
             f"{what} needs {format_bytes(needs.shared_bytes)} of shared memory, but {shm_path} has only "
             f"{format_bytes(machine.shm_free_bytes)} free{total}. Give the container more shared memory "
-            f"(docker run --shm-size={_shm_size_flag(needs.shared_bytes)}; Kubernetes: an emptyDir volume with "
+            f"(docker run --shm-size={shm_size_flag(needs.shared_bytes)}; Kubernetes: an emptyDir volume with "
             f"medium: Memory mounted at {shm_path}), or free space in {shm_path}"
         )
     if machine.ram_available_bytes is not None and needs.ram_bytes > machine.ram_available_bytes:
@@ -262,14 +242,3 @@ def check_host_resources(
         )
     _check_memlock(needs, machine)
     return needs
-
-
-def shared_memory_error(nbytes: int, error: BaseException, shm_path: str = SHM_PATH) -> HostResourceError:
-    """The error for a shared allocation that failed anyway (e.g. something else filled ``/dev/shm`` meanwhile)."""
-    machine = measure_machine(shm_path)
-    free = format_bytes(machine.shm_free_bytes) if machine.shm_free_bytes is not None else "an unknown amount"
-    return HostResourceError(
-        f"ZenFlow could not allocate {format_bytes(nbytes)} of shared memory for its host state ({error}); "
-        f"{shm_path} now has {free} free. Give the container more shared memory (docker run "
-        f"--shm-size={_shm_size_flag(nbytes)}) or free space in {shm_path}."
-    )

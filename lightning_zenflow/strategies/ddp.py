@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.strategy import ZenFlowStrategyBase, zenflow_knobs
+from lightning_zenflow.strategies.base import ZenFlowStrategyBase, zenflow_knobs
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 """Default bound on any collective: a rank that stopped answering (its process died, or it hangs) fails the others

@@ -1,0 +1,132 @@
+"""What an engine holds on the machine beyond its buffers: pinned pages, the host worker, the cores it runs on.
+
+:func:`pin_host_buffers` registers the rows of the shared blocks that asynchronous copies touch (CUDA only);
+:func:`start_worker` splits the cores between the training process and the worker and spawns the worker;
+:class:`CoreBinding` restores the training process's cores and threads when the engine closes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.engine.host import HostWorker, MatrixExtent, WorkerSpec
+from lightning_zenflow.engine.layout import ROW_GRAD_ACC, ROW_MASTER, GroupHostBuffers, GroupLayout
+from lightning_zenflow.engine.ranks import Ranks
+
+
+def pin_host_buffers(
+    layout: Sequence[GroupLayout], host_buffers: Sequence[GroupHostBuffers]
+) -> list[tuple[torch.Tensor, int]]:
+    """Register in place (cudaHostRegister) the rows of the shared blocks that asynchronous copies touch: the
+    two accumulator rows (copies down, staged uploads, a selection's staging), and the master row of a group
+    with an fp32 matrix (its weights go up from the master). ``pin_memory()`` would copy them out of shared
+    memory; the moments are never copied asynchronously, so 8 B of the 20 B per element are pinned (12 with
+    fp32 weights), which also shortens the registration at start-up.
+
+    Returns (block, address) of every registered span: the block keeps its pages mapped until unregistered."""
+    cudart = torch.cuda.cudart()
+    pinned = []
+    for group, host in zip(layout, host_buffers):
+        tensor = host.block_shared
+        if tensor.numel() == 0:
+            continue
+        row_bytes = tensor.shape[1] * tensor.element_size()
+        spans = [(ROW_GRAD_ACC * row_bytes, 2 * row_bytes)]
+        if any(slot.param.dtype == torch.float32 for slot in group.matrices):
+            spans.append((ROW_MASTER * row_bytes, row_bytes))
+        for start, nbytes in spans:
+            pointer = tensor.data_ptr() + start
+            code = cudart.cudaHostRegister(pointer, nbytes, 1)  # 1: cudaHostRegisterPortable
+            if int(code) != 0:
+                unpin(pinned)
+                raise RuntimeError(
+                    f"cudaHostRegister failed with code {int(code)} for {nbytes} bytes of host state. Pinning "
+                    "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
+                    "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
+                )
+            pinned.append((tensor, pointer))
+    return pinned
+
+
+def unpin(pinned: list[tuple[torch.Tensor, int]]) -> None:
+    """Unregister every span :func:`pin_host_buffers` registered (and forget them)."""
+    if pinned:
+        cudart = torch.cuda.cudart()
+        for _, pointer in pinned:
+            cudart.cudaHostUnregister(pointer)
+    pinned.clear()
+
+
+class CoreBinding:
+    """The training process's cores and torch threads before the engine narrowed them, restored at close."""
+
+    def __init__(self) -> None:
+        self._saved_affinity: set[int] | None = None
+        self._saved_threads: int | None = None
+
+    def narrow(self, cores: Sequence[int]) -> None:
+        self._saved_affinity = os.sched_getaffinity(0)
+        self._saved_threads = torch.get_num_threads()
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+
+    def restore(self) -> None:
+        if self._saved_affinity is not None:
+            os.sched_setaffinity(0, self._saved_affinity)
+            self._saved_affinity = None
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = None
+
+
+def own_cores(ranks: Ranks) -> list[int] | None:
+    """This rank's share of the cores it may run on (None where affinity cannot be read)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return ranks.own_cores(sorted(os.sched_getaffinity(0)), os.cpu_count() or 1)
+
+
+def worker_extents(group: GroupLayout) -> list[MatrixExtent]:
+    """Where each matrix of ``group`` lies in the group's host block, as the worker reads it."""
+    extents, col_offset = [], 0
+    for slot in group.matrices:
+        extents.append(MatrixExtent(slot.offset, slot.host_numel, slot.param.dtype, slot.cols, col_offset))
+        col_offset += slot.cols
+    return extents
+
+
+def start_worker(
+    config: ZenFlowConfig,
+    ranks: Ranks,
+    layout: Sequence[GroupLayout],
+    host_buffers: Sequence[GroupHostBuffers],
+    unselected_shared: Sequence[torch.Tensor],
+    binding: CoreBinding,
+    stage_delays: Mapping[str, float],
+    fail_at_update: int | None,
+) -> HostWorker:
+    """Split the cores (``bind_cores``: the training process keeps its share, recorded in ``binding``) and spawn the
+    host worker over the shared blocks."""
+    train_cores, host_cores = config.core_split(own_cores(ranks))
+    if config.bind_cores and hasattr(os, "sched_setaffinity") and train_cores != host_cores:
+        binding.narrow(train_cores)
+        worker_cores: tuple[int, ...] | None = tuple(host_cores)
+    else:
+        worker_cores = None
+    threads = config.host_threads or max(1, len(host_cores))
+    spec = WorkerSpec(
+        blocks=tuple(h.block_shared for h in host_buffers),
+        steps=tuple(h.step_shared for h in host_buffers),
+        extents=tuple(tuple(worker_extents(g)) for g in layout),
+        heartbeat=torch.zeros(1, dtype=torch.float64).share_memory_(),
+        threads=threads,
+        cores=worker_cores,
+        unselected=tuple(unselected_shared),
+        delay_s=stage_delays.get("worker", 0.0),
+        fail_at_update=fail_at_update,
+    )
+    return HostWorker(spec, timeout_s=config.worker_timeout_s)
