@@ -188,8 +188,8 @@ HOST_ADD_TARGET = 0.8
 
 def host_add_rates(numel: int, threads: int, cores: list[int], repeats: int) -> dict[str, float]:
     """Elements per second of the host mode's add (fp32 and bf16 staged chunks) and of references, on ``threads``."""
-    from lightning_zenflow.engine.lanes import Lanes
     from lightning_zenflow.engine.accumulate import STAGING_SLOT_BYTES, HostAccumulation
+    from lightning_zenflow.engine.lanes import Lanes
 
     accumulation = HostAccumulation(Lanes(torch.device("cpu")), [], STAGING_SLOT_BYTES)
     cols = 4096

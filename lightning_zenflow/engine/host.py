@@ -38,6 +38,8 @@ from lightning_zenflow.engine.device import HyperParams, adam_update_
 HEARTBEAT_PERIOD_S = 0.2
 WORKER_ENV = "LIGHTNING_ZENFLOW_HOST_WORKER"
 _POLL_S = 0.05
+DEATH_WAIT_S = 10.0
+"""After the pipe to the worker broke, how long to wait for its exit status before reporting the broken pipe."""
 
 
 class HostWorkerError(RuntimeError):
@@ -389,11 +391,16 @@ class HostWorker:
             self._raise_dead(error)
 
     def _raise_dead(self, error: BaseException) -> NoReturn:
-        """The pipe broke: the worker is dying. Give it a moment to be reaped so the error can say how it died."""
-        # process join, bounded: a killed worker closes its pipe a moment before it can be reaped
-        self._process.join(1.0)
+        """The pipe broke: the worker is dying. Wait for it to be reaped so the error says how it died (its exit code
+        or signal), whichever of the two this process happens to see first."""
+        # process join, bounded: a dying worker closes its pipe before it can be reaped, and on a busy machine the
+        # exit can lag the pipe's end by more than a moment
+        self._process.join(DEATH_WAIT_S)
         self._check_alive()
-        raise HostWorkerError(f"lost the pipe to the host worker (pid {self._process.pid}): {error!r}") from error
+        raise HostWorkerError(
+            f"lost the pipe to the host worker (pid {self._process.pid}), which is still running {DEATH_WAIT_S:.0f} s "
+            f"later: {error!r}. The host optimizer state is lost; restart from the last checkpoint."
+        ) from error
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the worker: ask, wait, then kill. Idempotent; safe after a failure."""
