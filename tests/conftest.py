@@ -1,5 +1,5 @@
-"""Shared test fixtures: a leak check for spawned processes, the environment restored after every test, and the skip
-of GPU tests on machines without CUDA."""
+"""Shared test fixtures: a leak check for spawned processes, the environment restored after every test, spare host
+workers for the modules that build many engines, and the skip of GPU tests on machines without CUDA."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import signal
 
 import pytest
+
+from lightning_zenflow.engine import spares
 
 
 def spawned_children() -> set[int]:
@@ -54,8 +56,9 @@ def no_leaked_children():
     active_before = _active_children()
     yield
     # scan /proc before active_children(): active_children() joins finished children and would hide a zombie
-    leaked_pids = spawned_children() - spawned_before
-    leaked_active = {pid: name for pid, name in _active_children().items() if pid not in active_before}
+    kept = set(spares.spare_worker_pids())  # idle spares (see spare_workers below) are kept on purpose
+    leaked_pids = spawned_children() - spawned_before - kept
+    leaked_active = {pid: name for pid, name in _active_children().items() if pid not in active_before | kept}
     for pid in leaked_pids | set(leaked_active):
         # clean up what this test started so one leak does not fail the tests after it
         try:
@@ -88,3 +91,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+SPARE_WORKER_MODULES = frozenset(
+    {
+        "test_engine_degenerate",
+        "test_engine_determinism",
+        "test_engine_modes",
+        "test_engine_reference",
+        "test_engine_resume",
+        "test_interim",
+        "test_lanes",
+        "test_lightning_checkpoint",
+        "test_lightning_equivalence",
+        "test_lightning_precision",
+        "test_lightning_surface",
+        "test_lightning_validation",
+        "test_optim",
+        "test_rule_variants",
+    }
+)
+"""Modules whose engines may adopt a closed engine's host worker (``engine/spares.py``) instead of spawning one: they
+check numbers, not process lifecycles. Every other module (faults, teardown, the worker protocol, data parallel) runs
+with fresh workers and no spares, as a user's process does by default."""
+
+
+@pytest.fixture(autouse=True)
+def spare_workers(request: pytest.FixtureRequest) -> None:
+    """Spare host workers on for the modules in ``SPARE_WORKER_MODULES``, off (and none left) for all others."""
+    name = request.module.__name__.rpartition(".")[2]
+    spares.keep_spare_workers(name in SPARE_WORKER_MODULES)

@@ -75,9 +75,9 @@ class Record(Callback):
             raise RuntimeError(f"a failure in rank {self.fault_rank}'s training step")
 
 
-def main() -> None:
-    out = pathlib.Path(sys.argv[1])
-    options = json.loads(sys.argv[2])
+def fit(out: pathlib.Path, options: dict) -> None:
+    """One fit with ``options`` (see the module docstring); every rank writes its results into ``out``. A one-device
+    fit may run inside the calling process (the tests do that: no launcher is involved)."""
     devices = options.get("devices", 1)
     knobs = options.get("strategy", {})
     if knobs == "adamw":
@@ -131,6 +131,10 @@ def main() -> None:
         "world_size": trainer.world_size,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    fit(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))
 
 
 if __name__ == "__main__":

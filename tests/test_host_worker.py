@@ -19,7 +19,7 @@ import torch
 import worker_fakes
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.engine import HostWorkerError, ZenFlowEngine, choose_update_interval
+from lightning_zenflow.engine import HostWorkerError, ZenFlowEngine, choose_update_interval, spares
 from lightning_zenflow.engine import schedule as schedule_module
 from lightning_zenflow.engine.device import HyperParams
 from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec, host_adam_update
@@ -544,3 +544,58 @@ def test_a_second_submit_while_one_is_in_flight_is_refused():
         assert worker.poll() is None  # nothing in flight any more
     finally:
         worker.close()
+
+
+# ---------------------------------------------------------------------------------------------- spare workers
+def _shared_segments(pid: int) -> int:
+    """How many of torch's shared-memory segments process ``pid`` maps (unlinked ones included)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum("/torch_" in line for line in maps)
+
+
+def _run_to_weights(config: ZenFlowConfig, steps: int, **hooks: object) -> tuple[torch.Tensor, int | None, int]:
+    layer, engine = _tiny_engine(config, **hooks)
+    torch.manual_seed(1)
+    try:
+        for _ in range(steps):
+            _step(layer, engine)
+        engine.flush()
+        return layer.weight.detach().clone(), engine.worker_pid, _shared_segments(engine.worker_pid)
+    finally:
+        engine.close()
+
+
+def _step_until_error_raised(layer: torch.nn.Linear, engine: ZenFlowEngine) -> None:
+    for _ in range(8):
+        _step(layer, engine)
+
+
+def test_a_spare_worker_serves_the_next_engine_with_the_same_numbers() -> None:
+    """With spares kept, a closed engine's worker is adopted by the next engine (same pid, no spawn), holds none of
+    the first engine's buffers while it waits, and computes exactly what a fresh worker computes; without them a
+    closed engine leaves no process behind."""
+    config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=2, topk_ratio=0.25)
+    fresh, fresh_pid, _ = _run_to_weights(config, steps=6)
+    _assert_no_worker_left(fresh_pid)
+    assert spares.spare_worker_pids() == []
+    spares.keep_spare_workers(True)
+    try:
+        first, first_pid, mapped_while_running = _run_to_weights(config, steps=6)
+        assert spares.spare_worker_pids() == [first_pid]
+        assert mapped_while_running > 0  # the check below can see the engine's blocks
+        assert _shared_segments(first_pid) == 0, "the spare still maps the closed engine's shared blocks"
+        second, second_pid, _ = _run_to_weights(config, steps=6)
+        assert second_pid == first_pid, "the second engine spawned a worker instead of adopting the spare"
+        assert torch.equal(first, fresh)
+        assert torch.equal(second, fresh)
+        # a worker whose engine saw a failure is never kept
+        layer, engine = _tiny_engine(config, host_fail_at=1)
+        assert engine.worker_pid == first_pid  # the spare again
+        with pytest.raises(HostWorkerError, match="injected failure"):
+            _step_until_error_raised(layer, engine)
+        engine.close()
+        assert spares.spare_worker_pids() == []
+        _assert_no_worker_left(first_pid)
+    finally:
+        spares.keep_spare_workers(False)
+    assert spares.spare_worker_pids() == []

@@ -4,7 +4,10 @@ Protocol (one duplex pipe, one command at a time, at most one update in flight):
 
     main -> worker   ("update", seq, slot, [group jobs])                    run one AdamW step
                      ("stop",)                                              exit cleanly
-    worker -> main   ("ready", pid)                                         after start-up
+                     ("release",) then ("adopt", spec)                      become a spare, then serve the next
+                                                                            engine (``keep_spare_workers``)
+    worker -> main   ("ready", pid)                                         after start-up (or an adoption)
+                     ("released",)                                          a spare, holding nothing
                      ("done", seq, compute_seconds)                         after an update
                      ("error", seq, traceback_text)                         the update raised
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import multiprocessing.connection
 import os
 import signal
@@ -33,6 +37,7 @@ from typing import NoReturn
 
 import torch
 
+import lightning_zenflow.engine.spares as spares
 from lightning_zenflow.engine.device import HyperParams, adam_update_
 
 HEARTBEAT_PERIOD_S = 0.2
@@ -208,15 +213,39 @@ def _heartbeat(heartbeat: torch.Tensor, stop: threading.Event) -> None:
         stop.wait(HEARTBEAT_PERIOD_S)
 
 
-def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -> None:
-    """Entry point of the spawned worker process."""
+def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec | None) -> None:
+    """Entry point of the spawned worker process: serve one engine, then (a spare) the next, until told to stop."""
     # Ctrl-C reaches the whole process group, and so does a cluster's SIGTERM (SLURM signals every process of the
     # job): the main process handles both (Lightning saves, if asked, then tears down) and stops this worker itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
+    all_cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    # the spec travels in a box so that no frame but the serving one holds it: a spare drops its engine's shared
+    # blocks while it waits
+    box = [spec] if spec is not None else []
+    del spec
+    try:
+        if not box:
+            # the engine's spec comes through the pipe, so no frame of the start-up keeps it (see HostWorker)
+            box.append(_wait_for_adoption(conn))
+        # no local name holds a spec here: _serve takes it out of the box, and returns the next engine's (or None)
+        while box[-1] is not None:
+            box.append(_serve(conn, box, all_cores))
+    finally:
+        conn.close()
+
+
+def _serve(
+    conn: multiprocessing.connection.Connection, box: list[WorkerSpec], all_cores: set[int] | None
+) -> WorkerSpec | None:
+    """Run one engine's updates. Returns the next engine's spec when this worker was released as a spare and then
+    adopted, None when it should exit."""
+    spec = box.pop()
     if spec.cores:
         os.sched_setaffinity(0, spec.cores)
+    elif all_cores is not None:
+        os.sched_setaffinity(0, all_cores)
     torch.set_num_threads(spec.threads)
     scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32) if spec.unselected else None
     stop = threading.Event()
@@ -229,9 +258,17 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -
             try:
                 command = conn.recv()
             except EOFError:
-                return
+                return None
             if command[0] == "stop":
-                return
+                return None
+            if command[0] == "release":
+                # the engine closed and keeps this process as a spare: drop every reference to its buffers
+                stop.set()
+                beat.join()  # thread join: the heartbeat no longer writes the released engine's clock
+                spec = scratch = None
+                gc.collect()  # and any cycle that still holds one: the blocks are unmapped now
+                conn.send(("released",))
+                return _wait_for_adoption(conn)
             _, seq, slot, jobs = command
             try:
                 started = time.perf_counter()
@@ -254,7 +291,19 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec) -
                 conn.send(("error", seq, traceback.format_exc()))
     finally:
         stop.set()
-        conn.close()
+
+
+def _wait_for_adoption(conn: multiprocessing.connection.Connection) -> WorkerSpec | None:
+    """A spare: block until the next engine in the main process adopts this worker (its spec), or it is stopped."""
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:
+            return None
+        if command[0] == "adopt":
+            return command[1]
+        if command[0] == "stop":
+            return None
 
 
 @contextlib.contextmanager
@@ -292,13 +341,37 @@ class HostWorker:
         self._seq = 0
         self._in_flight: int | None = None
         self.last_compute_s = 0.0
-        ctx = torch.multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._failed = False
+        self._spare_eligible = target is None
         self._heartbeat = spec.heartbeat
         self._heartbeat[0] = time.monotonic()
-        self._process = ctx.Process(
-            target=target or worker_main, args=(child_conn, spec), name="zenflow-host", daemon=True
-        )
+        if not (self._spare_eligible and self._adopt_spare(spec)):
+            if target is None:
+                # the spec follows through the pipe (an adoption, as a spare gets it): the child's start-up
+                # arguments would keep its shared blocks mapped for the life of the process
+                self._spawn(None, worker_main)
+                self._conn.send(("adopt", spec))
+            else:
+                self._spawn(spec, target)
+        # start-up imports torch in the child (seconds): wait for its "ready", bounded
+        try:
+            message = self._receive(start_timeout_s)
+            if message[0] != "ready":
+                raise HostWorkerError(f"host worker sent {message[0]!r} instead of 'ready' at start-up.")
+        except BaseException:
+            self.close()  # a worker that failed to start is stopped, never left behind
+            raise
+        self._heartbeat[0] = time.monotonic()  # start-up is over: from now on the worker's own beat counts
+        self.pid: int = message[1]
+
+    def _spawn(
+        self,
+        spec: WorkerSpec | None,
+        target: Callable[[multiprocessing.connection.Connection, WorkerSpec], None],
+    ) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=target, args=(child_conn, spec), name="zenflow-host", daemon=True)
         # the child inherits the environment at start: tell the package's __init__ to skip importing Lightning
         previous = os.environ.get(WORKER_ENV)
         os.environ[WORKER_ENV] = "1"
@@ -311,16 +384,30 @@ class HostWorker:
             else:
                 os.environ[WORKER_ENV] = previous
         child_conn.close()
-        # start-up imports torch in the child (seconds): wait for its "ready", bounded
+
+    def _adopt_spare(self, spec: WorkerSpec) -> bool:
+        """Take a spare worker (``engine/spares.py``), handing it this engine's spec; False if none is kept."""
+        taken = spares.adopt(("adopt", spec))  # its shared blocks travel as handles, as at a spawn
+        if taken is None:
+            return False
+        self._process, self._conn = taken
+        return True
+
+    def _release_as_spare(self) -> bool:
+        """At close: hand a healthy, idle worker back to the spares instead of stopping it (if they are kept)."""
+        if not (self._spare_eligible and spares.wanted()) or self._failed or self._in_flight is not None:
+            return False
+        if not self._process.is_alive():
+            return False
         try:
-            message = self._receive(start_timeout_s)
-            if message[0] != "ready":
-                raise HostWorkerError(f"host worker sent {message[0]!r} instead of 'ready' at start-up.")
-        except BaseException:
-            self.close()  # a worker that failed to start is stopped, never left behind
-            raise
-        self._heartbeat[0] = time.monotonic()  # start-up is over: from now on the worker's own beat counts
-        self.pid: int = message[1]
+            self._conn.send(("release",))
+            message = self._receive(10.0)
+        except (OSError, HostWorkerError):
+            return False
+        if message != ("released",):
+            return False
+        spares.keep(self._process, self._conn)
+        return True
 
     @property
     def in_flight(self) -> bool:
@@ -352,6 +439,7 @@ class HostWorker:
         """Block until the update in flight finishes; returns its compute time in seconds (0 if none)."""
         if self._in_flight is None:
             return 0.0
+        self._failed = True  # until the answer proves otherwise
         message = self._receive(None)
         seq = self._in_flight
         self._in_flight = None
@@ -360,6 +448,7 @@ class HostWorker:
         if message[0] != "done" or message[1] != seq:
             raise HostWorkerError(f"host worker protocol error: expected ('done', {seq}), got {message[:2]!r}.")
         self.last_compute_s = float(message[2])
+        self._failed = False
         return self.last_compute_s
 
     def _check_alive(self) -> None:
@@ -406,6 +495,10 @@ class HostWorker:
         """Stop the worker: ask, wait, then kill. Idempotent; safe after a failure."""
         process = getattr(self, "_process", None)
         if process is None:
+            return
+        if self._release_as_spare():
+            self._process = None
+            self._in_flight = None
             return
         if process.is_alive():
             with contextlib.suppress(OSError, ValueError):
