@@ -58,7 +58,7 @@ def no_leaked_children():
     # scan /proc before active_children(): active_children() joins finished children and would hide a zombie
     kept = set(spares.spare_worker_pids())  # idle spares (see spare_workers below) are kept on purpose
     leaked_pids = spawned_children() - spawned_before - kept
-    leaked_active = {pid: name for pid, name in _active_children().items() if pid not in active_before | kept}
+    leaked_active = {pid: name for pid, name in _active_children().items() if pid not in active_before and pid not in kept}
     for pid in leaked_pids | set(leaked_active):
         # clean up what this test started so one leak does not fail the tests after it
         try:
