@@ -58,7 +58,9 @@ def no_leaked_children():
     # scan /proc before active_children(): active_children() joins finished children and would hide a zombie
     kept = set(spares.spare_worker_pids())  # idle spares (see spare_workers below) are kept on purpose
     leaked_pids = spawned_children() - spawned_before - kept
-    leaked_active = {pid: name for pid, name in _active_children().items() if pid not in active_before and pid not in kept}
+    leaked_active = {
+        pid: name for pid, name in _active_children().items() if pid not in active_before and pid not in kept
+    }
     for pid in leaked_pids | set(leaked_active):
         # clean up what this test started so one leak does not fail the tests after it
         try:
@@ -107,7 +109,6 @@ SPARE_WORKER_MODULES = frozenset(
         "test_lightning_precision",
         "test_lightning_surface",
         "test_lightning_validation",
-        "test_optim",
         "test_rule_variants",
     }
 )
