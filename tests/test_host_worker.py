@@ -500,16 +500,18 @@ def _children() -> set[int]:
 
 
 @pytest.mark.parametrize(
-    ("target", "message"),
+    ("target", "start_timeout_s", "message"),
     [
-        (worker_fakes.never_ready, "did not start within 3 s"),
-        (worker_fakes.says_hello, "sent 'hello' instead of 'ready'"),
+        (worker_fakes.never_ready, 3.0, "did not start within 3 s"),
+        # A spawned child imports torch before it can say anything, which takes seconds on a busy machine:
+        # the wrong greeting gets a start-up limit it cannot run into.
+        (worker_fakes.says_hello, 120.0, "sent 'hello' instead of 'ready'"),
     ],
 )
-def test_a_worker_that_does_not_start_properly_is_an_error_and_is_stopped(target, message):
+def test_a_worker_that_does_not_start_properly_is_an_error_and_is_stopped(target, start_timeout_s, message):
     before = _children()
     with pytest.raises(HostWorkerError, match=message):
-        HostWorker(_spec(), timeout_s=10.0, start_timeout_s=3.0, target=target)
+        HostWorker(_spec(), timeout_s=10.0, start_timeout_s=start_timeout_s, target=target)
     assert _children() <= before, "the failed worker must not be left running"
 
 
