@@ -1,9 +1,9 @@
 """lightning_zenflow: ZenFlow offloaded fine-tuning as a PyTorch Lightning strategy.
 
-``import lightning_zenflow`` registers the strategy names ``"zenflow"``, ``"zenflow_ddp"`` and
-``"zenflow_ddp_spawn"`` (Lightning has no entry-point discovery for strategies, so the import is what makes
-``Trainer(strategy="zenflow")`` work). ``lightning_zenflow.ZenFlowAdamW`` is ZenFlow as a torch optimizer, for any
-other training loop.
+``import lightning_zenflow`` registers the strategy names ``"zenflow"``, ``"zenflow_ddp"``,
+``"zenflow_ddp_spawn"`` and ``"zenflow_fsdp"`` (Lightning has no entry-point discovery for strategies, so the import
+is what makes ``Trainer(strategy="zenflow")`` work). ``lightning_zenflow.ZenFlowAdamW`` is ZenFlow as a torch
+optimizer, for any other training loop.
 """
 
 import importlib
@@ -26,6 +26,7 @@ _LIGHTNING_NAMES = {
     "CheckpointError": "lightning_zenflow.strategies.base",
     "ZenFlowFabricStrategy": "lightning_zenflow.integrations.fabric",
     "ZenFlowDDPStrategy": "lightning_zenflow.strategies.ddp",
+    "ZenFlowFSDPStrategy": "lightning_zenflow.strategies.fsdp",
     "ZenFlowPrecision": "lightning_zenflow.strategies.precision",
     "ZenFlowStrategy": "lightning_zenflow.strategies.single",
     "ZenFlowTelemetry": "lightning_zenflow.strategies.telemetry",
@@ -42,12 +43,14 @@ if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
     from lightning_zenflow.integrations.fabric import ZenFlowFabricStrategy
     from lightning_zenflow.strategies.base import CheckpointError
     from lightning_zenflow.strategies.ddp import ZenFlowDDPStrategy
+    from lightning_zenflow.strategies.fsdp import ZenFlowFSDPStrategy
     from lightning_zenflow.strategies.precision import ZenFlowPrecision
     from lightning_zenflow.strategies.single import ZenFlowStrategy
     from lightning_zenflow.strategies.telemetry import ZenFlowTelemetry
 
     ZenFlowStrategy.register_strategies(StrategyRegistry)
     ZenFlowDDPStrategy.register_strategies(StrategyRegistry)
+    ZenFlowFSDPStrategy.register_strategies(StrategyRegistry)
     ZenFlowFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
     cli_hint.install()  # your own LightningCLI: a hint when a knob is set on the short name
 else:
@@ -67,6 +70,7 @@ __all__ = [
     "ZenFlowAdamW",
     "ZenFlowConfig",
     "ZenFlowDDPStrategy",
+    "ZenFlowFSDPStrategy",
     "ZenFlowEngine",
     "ZenFlowFabricStrategy",
     "ZenFlowPrecision",

@@ -9,7 +9,10 @@ and link bytes, its worker's pid. Options (JSON): ``accelerator`` (default ``"cp
 ``max_steps``, ``accumulate_grad_batches``, ``ckpt_path`` (resume), ``checkpoint_every`` (Lightning's
 ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at`` (the worker of rank
 ``fault_rank``, default 1, is killed at that step), ``fail_at`` (that rank raises at that step), ``save_after``
-(``trainer.save_checkpoint(OUT_DIR/after.ckpt)`` once the fit has ended).
+(``trainer.save_checkpoint(OUT_DIR/after.ckpt)`` once the fit has ended), ``fsdp`` (the module applies FSDP2's
+``fully_shard`` in ``configure_model``; the strategy is ``ZenFlowFSDPStrategy``, or Lightning's
+ModelParallelStrategy for ``"adamw"``; ``shard`` names what is sharded: ``"all"`` (default), ``"none"``, ``"offload"``
+(with ``CPUOffloadPolicy``)).
 """
 
 from __future__ import annotations
@@ -28,19 +31,70 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from lightning_helpers import TinyModule, make_dataset, weights  # noqa: E402
+from lightning_helpers import IN_FEATURES, OUT_FEATURES, SEED, TinyModule, make_dataset, weights  # noqa: E402
 
 
 class InOrderModule(TinyModule):
     """Rank r takes samples r, r + world, ... in order: 2 ranks with batch b see the same global batches as 1 rank
     with batch 2b (Lightning's own distributed sampler shuffles the training data)."""
 
+    out_features = OUT_FEATURES
+
     def train_dataloader(self) -> DataLoader:
-        dataset = make_dataset(self.samples, seed=0)
+        dataset = make_dataset(self.samples, seed=0, out_features=self.out_features)
         sampler = DistributedSampler(
             dataset, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
         )
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
+
+
+class ShardedModule(InOrderModule):
+    """The in-order module, 8 -> 24 -> 6 (every row count splits evenly over 1, 2 and 3 ranks), under FSDP2:
+    ``fully_shard`` on each linear layer, then on the root (the README's recipe). ``shard="none"`` leaves it
+    unsharded (for the one-process strategies, and refused by ``zenflow_fsdp``), ``"offload"`` adds
+    ``CPUOffloadPolicy`` (refused)."""
+
+    out_features = 6
+
+    def __init__(self, shard: str = "all", **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(SEED)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(IN_FEATURES, 24), torch.nn.Tanh(), torch.nn.Linear(24, self.out_features)
+        )
+        self.shard = shard
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        if self.shard == "none":
+            return
+        extra = {"offload_policy": CPUOffloadPolicy()} if self.shard == "offload" else {}
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, **extra)
+        fully_shard(self, mesh=mesh, **extra)
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (FSDP2's shards all-gathered: every rank calls it), as an fp32 CPU copy."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, param in module.named_parameters():
+        value = param.detach()
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        out[name] = value.float().cpu().clone()
+    return out
 
 
 import lightning_zenflow  # noqa: E402
@@ -55,6 +109,7 @@ class Record(Callback):
         self.host_bytes: int | None = None
         self.link: list[tuple[int, int]] = []
         self.worker_pid: int | None = None
+        self.device_bytes: dict[str, int] = {}
 
     def on_train_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -63,10 +118,19 @@ class Record(Callback):
             (self.out / f"worker{trainer.global_rank}.pid").write_text(str(engine.worker_pid))
         (self.out / f"rank{trainer.global_rank}.pid").write_text(str(os.getpid()))
 
+    def on_before_optimizer_step(
+        self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, *_: object
+    ) -> None:
+        # this rank's device bytes: its weights and gradients (an FSDP2 shard's local part), the engine's state
+        params = list(pl_module.parameters())
+        self.device_bytes["weights"] = sum(_local_bytes(param) for param in params)
+        self.device_bytes["gradients"] = sum(_local_bytes(param.grad) for param in params if param.grad is not None)
+
     def on_train_batch_end(self, trainer: lightning.Trainer, *args: object) -> None:
         engine = getattr(trainer.strategy, "engine", None)
         if engine is None or engine.last_stats is None:
             return
+        self.device_bytes["zenflow"] = engine.last_stats.device_bytes
         self.host_bytes = engine.last_stats.host_bytes
         self.link.append((engine.last_stats.d2h_bytes, engine.last_stats.h2d_bytes))
         if trainer.global_step == self.kill_worker_at and trainer.global_rank == self.fault_rank:
@@ -80,16 +144,26 @@ def fit(out: pathlib.Path, options: dict) -> None:
     fit may run inside the calling process (the tests do that: no launcher is involved)."""
     devices = options.get("devices", 1)
     knobs = options.get("strategy", {})
+    timeout = datetime.timedelta(seconds=60)
+    fsdp = bool(options.get("fsdp"))
     if knobs == "adamw":
         strategy = "ddp" if devices > 1 else "auto"
-        if devices > 1:
-            strategy = lightning.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=60))
+        if fsdp:
+            # Lightning's default mesh puts the processes in the tensor-parallel dimension: here they all shard
+            strategy = lightning.pytorch.strategies.ModelParallelStrategy(
+                data_parallel_size=devices, tensor_parallel_size=1, timeout=timeout
+            )
+        elif devices > 1:
+            strategy = lightning.pytorch.strategies.DDPStrategy(timeout=timeout)
+    elif fsdp:
+        knobs = {"full_warm_up_rounds": 0, "host_threads": 1, "bind_cores": False, **knobs}
+        strategy = lightning_zenflow.ZenFlowFSDPStrategy(timeout=timeout, **knobs)
     else:
         # the tests exercise the paper's rule unless they set the warm-up (their runs are a few steps long)
         knobs = {"full_warm_up_rounds": 0, "host_threads": 1, "bind_cores": False, **knobs}
         if devices > 1:
             # a hung peer fails a test within a minute (Trainer(strategy="zenflow", devices=2) is the console test's)
-            strategy = lightning_zenflow.ZenFlowDDPStrategy(timeout=datetime.timedelta(seconds=60), **knobs)
+            strategy = lightning_zenflow.ZenFlowDDPStrategy(timeout=timeout, **knobs)
         else:
             strategy = lightning_zenflow.ZenFlowStrategy(**knobs)
     record = Record(options.get("kill_worker_at"), options.get("fail_at"), options.get("fault_rank", 1), out)
@@ -100,7 +174,12 @@ def fit(out: pathlib.Path, options: dict) -> None:
                 dirpath=out, filename="{step}", every_n_train_steps=options["checkpoint_every"], save_top_k=-1
             )
         )
-    module = InOrderModule(samples=32, batch_size=options.get("batch_size", 4))
+    samples, batch_size = options.get("samples", 32), options.get("batch_size", 4)
+    if fsdp or options.get("wide"):
+        shard = options.get("shard", "all") if fsdp else "none"
+        module = ShardedModule(shard=shard, samples=samples, batch_size=batch_size)
+    else:
+        module = InOrderModule(samples=samples, batch_size=batch_size)
     trainer = lightning.Trainer(
         accelerator=options.get("accelerator", "cpu"),
         devices=devices,
@@ -122,9 +201,10 @@ def fit(out: pathlib.Path, options: dict) -> None:
     if options.get("save_after"):
         trainer.save_checkpoint(out / "after.ckpt")  # every rank calls it, as Lightning requires
     result = {
-        "weights": weights(module),
+        "weights": full_weights(module) if fsdp else weights(module),
         "global_step": trainer.global_step,
         "host_bytes": record.host_bytes,
+        "device_bytes": record.device_bytes,
         "link": record.link,
         "worker_pid": record.worker_pid,
         "strategy": type(trainer.strategy).__name__,

@@ -23,10 +23,10 @@ SEED = 1234
 IN_FEATURES, HIDDEN, OUT_FEATURES = 8, 16, 4
 
 
-def make_dataset(samples: int, seed: int = 0) -> TensorDataset:
+def make_dataset(samples: int, seed: int = 0, out_features: int = OUT_FEATURES) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(samples, IN_FEATURES, generator=generator)
-    targets = torch.randn(samples, OUT_FEATURES, generator=generator)
+    targets = torch.randn(samples, out_features, generator=generator)
     return TensorDataset(inputs, targets)
 
 

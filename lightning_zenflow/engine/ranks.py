@@ -14,6 +14,11 @@ rule that every rank reaches in the same order (window landings, refreshes, chec
 - :meth:`Ranks.broadcast_`: rank 0's selection to every rank (ties in top-k must not split the ranks);
 - :meth:`Ranks.agree`: one number agreed by all ranks (max or min), for choices that depend on timing or memory.
 
+FSDP2 (``rows_local``): the parameters themselves are each rank's row shards (``fully_shard`` splits dim 0 with the
+same ``torch.chunk`` blocks), so the engine's matrices are the local shards, its host state covers all of their rows
+and nothing is shared at landings; only the refresh's column scores (:meth:`Ranks.sum_scores_`), the agreed numbers
+and the checkpoints' gathers cross ranks.
+
 One rank (``world == 1``) makes every collective a no-op: the single-device engine is this code with one rank.
 The engine module imports no Lightning; the process group is torch.distributed's, made by whoever launched the
 ranks (Lightning's DDP strategy, torchrun, a test).
@@ -40,6 +45,7 @@ class Ranks:
         local_rank: its rank among the ranks on this machine (they share its cores and memory).
         local_world: the number of ranks on this machine.
         group: the torch.distributed process group (None: the default group).
+        rows_local: the parameters the engine sees are already this rank's row shards (FSDP2), not replicas.
     """
 
     rank: int = 0
@@ -47,6 +53,7 @@ class Ranks:
     local_rank: int = 0
     local_world: int = 1
     group: object | None = None
+    rows_local: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
@@ -55,22 +62,31 @@ class Ranks:
             raise ValueError(f"local rank {self.local_rank} is outside {self.local_world} local ranks.")
 
     @classmethod
-    def from_process_group(cls, local_rank: int = 0, local_world: int = 1, group: object | None = None) -> Ranks:
+    def from_process_group(
+        cls, local_rank: int = 0, local_world: int = 1, group: object | None = None, rows_local: bool = False
+    ) -> Ranks:
         """The ranks of torch.distributed's (initialised) default group, or of ``group``."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(local_rank=0, local_world=1)
+            return cls(local_rank=0, local_world=1, rows_local=rows_local)
         return cls(
             rank=dist.get_rank(group),
             world=dist.get_world_size(group),
             local_rank=local_rank,
             local_world=local_world,
             group=group,
+            rows_local=rows_local,
         )
 
     @property
     def sharded(self) -> bool:
+        """The host state of replicated parameters is split by rows across the ranks (data parallel)."""
+        return self.world > 1 and not self.rows_local
+
+    @property
+    def spans(self) -> bool:
+        """More than one rank: the collectives that every mode needs (agreed numbers, selections) communicate."""
         return self.world > 1
 
     def row_range(self, rows: int) -> list[tuple[int, int]]:
@@ -83,6 +99,14 @@ class Ranks:
         return ranges
 
     def own_rows(self, rows: int) -> tuple[int, int]:
+        """The rows of a matrix the engine sees (``rows`` of them) whose host state this rank holds: its block of a
+        replicated matrix, or all of a local shard (``rows_local``)."""
+        if self.rows_local:
+            return (0, rows)
+        return self.row_range(rows)[self.rank]
+
+    def block_of(self, rows: int) -> tuple[int, int]:
+        """This rank's block of a whole ``[rows, ...]`` tensor (``torch.chunk`` semantics, FSDP2's too)."""
         return self.row_range(rows)[self.rank]
 
     def own_cores(self, affinity: list[int], machine_cores: int) -> list[int]:
@@ -103,8 +127,10 @@ class Ranks:
     def share_rows(self, tensor: torch.Tensor) -> None:
         """Every rank holds its own row block of ``tensor`` (``[rows, ...]``, contiguous, on the collective's
         device); afterwards every rank holds every row. In place: one broadcast per owner of a non-empty block."""
-        if not self.sharded:
-            return
+        if self.sharded:
+            self._broadcast_blocks(tensor)
+
+    def _broadcast_blocks(self, tensor: torch.Tensor) -> None:
         import torch.distributed as dist
 
         for owner, (start, stop) in enumerate(self.row_range(tensor.shape[0])):
@@ -167,7 +193,7 @@ class Ranks:
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``tensor`` on every rank (in place)."""
-        if self.sharded:
+        if self.spans:
             import torch.distributed as dist
 
             dist.broadcast(tensor, src=src, group=self.group)
@@ -175,7 +201,7 @@ class Ranks:
 
     def agree(self, value: float, device: torch.device, op: str = "max") -> float:
         """The maximum (or minimum) of ``value`` over the ranks."""
-        if not self.sharded:
+        if not self.spans:
             return value
         import torch.distributed as dist
 
@@ -185,7 +211,7 @@ class Ranks:
 
     def all_reduce_sum(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The sum of ``tensor`` (on the CPU) over the ranks, on the CPU (run on ``device``)."""
-        if not self.sharded:
+        if not self.spans:
             return tensor
         import torch.distributed as dist
 
@@ -193,15 +219,24 @@ class Ranks:
         dist.all_reduce(total, group=self.group)
         return total.cpu()
 
+    def sum_scores_(self, scores: torch.Tensor) -> torch.Tensor:
+        """FSDP2: every rank's column scores of its rows summed in place (the whole matrix's scores, so every rank
+        chooses the same columns); a no-op for replicated parameters, whose scores are already whole."""
+        if self.rows_local and self.spans:
+            import torch.distributed as dist
+
+            dist.all_reduce(scores, group=self.group)
+        return scores
+
     def gather_rows(self, shard: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor | None:
         """The whole ``[rows, ...]`` tensor, on the CPU of rank 0, from each rank's row block ``shard`` (on the CPU);
         None on the other ranks, which only take part. The exchange runs on ``device`` (NCCL needs CUDA tensors),
         one matrix at a time: one full matrix of device memory at the peak, and host memory for the whole state
-        on rank 0 only. Used at checkpoints."""
-        if not self.sharded:
+        on rank 0 only. Used at checkpoints. ``shard`` is this rank's :meth:`block_of` ``rows``."""
+        if not self.spans:
             return shard.clone()
-        start, stop = self.own_rows(rows)
+        start, stop = self.block_of(rows)
         full = torch.zeros((rows, *shard.shape[1:]), dtype=shard.dtype, device=device)
         full[start:stop].copy_(shard)
-        self.share_rows(full)
+        self._broadcast_blocks(full)
         return full.cpu() if self.rank == 0 else None

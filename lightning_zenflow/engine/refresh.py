@@ -1,7 +1,8 @@
 """A refresh: choose every matrix's columns again from the current gradient.
 
 The schedule says when (``select_strategy`` / ``select_interval``, the first step after warm-up); this room says
-how: the column scores and top-k on the side lane, rank 0's choice on every rank, two small host reads, then
+how: the column scores and top-k on the side lane (under FSDP2 the scores of every rank's rows summed first, one
+all-reduce of all matrices' scores), rank 0's choice on every rank, two small host reads, then
 ``engine/migrate.py`` moves only the columns that change side, and the worker learns the new host columns.
 """
 
@@ -48,7 +49,13 @@ def choose_columns(
     box: dict[str, torch.Tensor] = {}
     # side waits (GPU-side) for the compute lane's gradients
     lanes.side.wait_lane(lanes.compute, "side after compute")
-    lanes.side.run(_score_and_choose, box, work, config.importance, lanes.device)
+    if ranks.rows_local and ranks.spans:
+        # FSDP2: each rank scores its rows; the sum is the whole matrix's score, the same on every rank
+        lanes.side.run(_score, box, work, config.importance, lanes.device)
+        lanes.collective(lanes.side, lambda: ranks.sum_scores_(box["scores"]))
+        lanes.side.run(_choose, box, work)
+    else:
+        lanes.side.run(_score_and_choose, box, work, config.importance, lanes.device)
     # data parallel: rank 0's choice everywhere (equal gradients, but ties must not split the ranks)
     lanes.collective(lanes.side, lambda: ranks.broadcast_(box["indices"]))
     flat_indices = lanes.read(lanes.side, lambda: box["indices"])
@@ -66,6 +73,23 @@ def write_unselected(device_updater: DeviceUpdater, unselected_shared: Sequence[
             host_columns = keep.nonzero().flatten()
             unselected_shared[group_index][col_offset : col_offset + host_columns.numel()] = host_columns
             col_offset += state.slot.cols
+
+
+def _score(box: dict, work: list, importance: str, device: torch.device) -> None:
+    """Side lane: every matrix's column scores, concatenated (``box["scores"]``)."""
+    scores = [
+        torch.zeros(cols, device=device) if grad2d is None else column_scores(grad2d, importance)
+        for grad2d, cols, _ in work
+    ]
+    box["scores"] = torch.cat(scores) if scores else torch.empty(0, device=device)
+
+
+def _choose(box: dict, work: list) -> None:
+    """Side lane: every matrix's top-k columns from ``box["scores"]``, concatenated (``box["indices"]``)."""
+    scores = torch.split(box["scores"], [cols for _, cols, _ in work])
+    indices = [top_columns(score, k) for score, (_, _, k) in zip(scores, work)]
+    device = box["scores"].device
+    box["indices"] = torch.cat(indices) if indices else torch.empty(0, dtype=torch.long, device=device)
 
 
 def _score_and_choose(box: dict, work: list, importance: str, device: torch.device) -> None:

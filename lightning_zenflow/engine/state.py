@@ -147,6 +147,8 @@ def engine_row_blocks(engine: ZenFlowEngine) -> dict:
         "params": params,
         "progress": engine.schedule.state_dict(),
         "row_blocks": True,
+        # FSDP2: every parameter (vectors too) is this rank's rows of a sharded one
+        **({"rows_local": True} if engine.ranks.rows_local else {}),
         **_rule(engine),
     }
 

@@ -76,7 +76,7 @@ def check_state(state: object, shapes: Mapping[str, tuple[int, ...]], require_al
             value = entry[key]
             if not isinstance(value, torch.Tensor) or not value.is_floating_point():
                 raise ValueError(f"the saved {key} of {name} is not a floating-point tensor; it is corrupt.")
-            if state.get("row_blocks") and len(shape) >= 2:
+            if state.get("row_blocks") and (len(shape) >= 2 or state.get("rows_local")):
                 continue  # a rank's row block; its reader checked the whole matrix's shape
             if tuple(value.shape) != shape:
                 differences.append(f"{name} ({key}): checkpoint {tuple(value.shape)}, model {shape}")

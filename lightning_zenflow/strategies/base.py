@@ -77,6 +77,11 @@ class ZenFlowStrategyBase:
         """The data-parallel ranks the engine shards its host state across (one here)."""
         return Ranks()
 
+    def _engine_parameters(self) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, str]]:
+        """The optimizer the engine runs and the names of its parameters: the user's, with the module's names."""
+        names = {param: name for name, param in self.lightning_module.named_parameters()}
+        return self.optimizers[0], names
+
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZenFlowPrecision:
         plugin = self._precision_plugin
@@ -105,10 +110,9 @@ class ZenFlowStrategyBase:
             return
         self._check_optimizers(trainer)
         self._final_state = None
-        module = self.lightning_module
-        names = {param: name for name, param in module.named_parameters()}
+        optimizer, names = self._engine_parameters()
         self.engine = ZenFlowEngine(
-            self.optimizers[0], self.zenflow_config, param_names=names, ranks=self._engine_ranks()
+            optimizer, self.zenflow_config, param_names=names, ranks=self._engine_ranks()
         ).start()
         self.precision_plugin.engine = self.engine
         self._install_callbacks(trainer)
@@ -252,12 +256,15 @@ class ZenFlowStrategyBase:
         try:
             if cache_state and not engine.closed:
                 # trainer.save_checkpoint() after fit must still find the optimizer state
-                if self._sharded_checkpoints:
-                    self._final_state = (None, engine.row_block_state_dict(), matrix_shapes(engine))
-                else:
-                    self._final_state = (engine.torch_state_dict(), engine.state_dict(include_moments=False), None)
+                self._final_state = self._final_state_of(engine)
         finally:
             engine.close()
+
+    def _final_state_of(self, engine: ZenFlowEngine) -> tuple[dict | None, dict, dict | None]:
+        """What a checkpoint saved after fit needs of a closing engine: (torch state, engine state, shapes)."""
+        if self._sharded_checkpoints:
+            return (None, engine.row_block_state_dict(), matrix_shapes(engine))
+        return (engine.torch_state_dict(), engine.state_dict(include_moments=False), None)
 
     @property
     def _sharded_checkpoints(self) -> bool:
@@ -328,7 +335,7 @@ class ZenFlowStrategyBase:
         if is_sharded_checkpoint(checkpoint_path):
             return self._load_sharded(checkpoint_path, *args, **kwargs)
         try:
-            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+            checkpoint = self._read_checkpoint_file(checkpoint_path, *args, **kwargs)
         except FileNotFoundError:
             raise  # Lightning's own message names the path
         except Exception as error:
@@ -338,12 +345,26 @@ class ZenFlowStrategyBase:
             raise CheckpointError(f"cannot resume from {checkpoint_path}: {problem}")
         return checkpoint
 
+    def _read_checkpoint_file(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """One checkpoint file, read as the Lightning strategy reads it (the checkpoint IO's ``torch.load``)."""
+        return super().load_checkpoint(path, *args, **kwargs)  # type: ignore[misc]
+
+    def _sharded_model_targets(self) -> Mapping[str, torch.Tensor] | None:
+        """Where a sharded directory's weights are read into (None: new whole tensors, loaded by Lightning)."""
+        return None
+
     def _load_sharded(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         meta_file = pathlib.Path(path) / META_FILE
         try:
-            meta = super().load_checkpoint(meta_file, *args, **kwargs)  # type: ignore[misc]
+            meta = self._read_checkpoint_file(meta_file, *args, **kwargs)
         except Exception as error:
             raise CheckpointError(unreadable_checkpoint(meta_file, error)) from error
+        if meta.get("zenflow", {}).get("rows_local") and not self._engine_ranks().rows_local:
+            raise CheckpointError(
+                f"cannot resume from {path}: this sharded directory was written by zenflow_fsdp, whose vectors are "
+                "sharded by rows too; resume it with strategy='zenflow_fsdp', or save it there with "
+                "checkpoint_format='full', which every strategy reads."
+            )
         module = self.lightning_module
         written = meta.get(FORMAT_KEY, {}).get("model", {})
         shapes_only = {key: torch.empty(shape, device="meta") for key, shape in written.items()}
@@ -353,7 +374,13 @@ class ZenFlowStrategyBase:
         param_shapes = {name: tuple(param.shape) for name, param in module.named_parameters()}
         try:
             checkpoint = load_sharded(
-                path, meta, module.state_dict(), param_shapes, self._engine_ranks(), self.root_device.type
+                path,
+                meta,
+                module.state_dict(),
+                param_shapes,
+                self._engine_ranks(),
+                self.root_device.type,
+                model_targets=self._sharded_model_targets(),
             )
         except Exception as error:
             raise CheckpointError(unreadable_checkpoint(path, error)) from error
@@ -404,15 +431,19 @@ class ZenFlowStrategyBase:
             )
         # the engine validates everything before it writes anything: a failed load leaves it untouched
         try:
-            if CHECKPOINT_KEY in checkpoint:
-                self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
-            else:
-                self.engine.load_torch_state_dict(torch_state)
+            self._load_engine_state(checkpoint, torch_state)
         except ValueError as error:
             raise CheckpointError(f"{where}: {error}") from error
         # hyperparameters only: loading the moments into the torch optimizer would duplicate them on the device
         for group, saved in zip(optimizer.param_groups, torch_state["param_groups"]):
             group.update({key: value for key, value in saved.items() if key != "params"})
+
+    def _load_engine_state(self, checkpoint: Mapping[str, Any], torch_state: Mapping[str, Any]) -> None:
+        """The checkpoint's optimizer state into the engine: ZenFlow's own state, or a plain torch AdamW one."""
+        if CHECKPOINT_KEY in checkpoint:
+            self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
+        else:
+            self.engine.load_torch_state_dict(torch_state)
 
 
 class _SyncBoundaries(Callback):

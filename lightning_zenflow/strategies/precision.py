@@ -61,6 +61,7 @@ class ZenFlowPrecision(Precision):
         else:
             self._inner = Precision()
         self.engine: ZenFlowEngine | None = None
+        self.before_engine_step: Callable[[], None] | None = None
         """Set by the strategy while fitting."""
 
     @classmethod
@@ -76,6 +77,7 @@ class ZenFlowPrecision(Precision):
         wrapped.precision = "32-true" if name == "32" else name  # type: ignore[assignment]
         wrapped._inner = plugin
         wrapped.engine = None
+        wrapped.before_engine_step = None
         return wrapped
 
     @property
@@ -110,6 +112,8 @@ class ZenFlowPrecision(Precision):
             found_inf = _found_inf(scaler, optimizer)
             scaler.update()
         announce = self.engine.accumulate_on is None
+        if self.before_engine_step is not None:
+            self.before_engine_step()  # FSDP2: the local shards' gradients handed to the engine's parameters
         self.engine.step(found_inf)
         if announce:
             # the first step decides where gradients accumulate ("auto" measures the free device memory then); a
@@ -163,6 +167,7 @@ class ZenFlowPrecision(Precision):
     @override
     def teardown(self) -> None:
         self.engine = None
+        self.before_engine_step = None
         self._inner.teardown()
 
 

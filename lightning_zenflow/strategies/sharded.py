@@ -56,7 +56,7 @@ def _mesh(ranks: Ranks, device_type: str) -> object:
 def _row_sharded(block: torch.Tensor, rows: int, cols: int, ranks: Ranks, device_type: str) -> torch.Tensor:
     """This rank's ``block`` of a ``[rows, cols]`` matrix as DCP sees it: the whole matrix with one rank, else a
     DTensor sharded by rows (the same blocks as ``Ranks.row_range``: ``torch.chunk`` semantics)."""
-    if not ranks.sharded:
+    if not ranks.spans:
         return block
     return host_resident_dtensor(block, _mesh(ranks, device_type), rows, cols)
 
@@ -91,7 +91,8 @@ def save_sharded(
     """Write ``checkpoint`` (Lightning's, with the model's ``state_dict``) and ``state`` (this rank's row-block engine
     state, :meth:`ZenFlowEngine.row_block_state_dict`) as a sharded directory. Every rank calls it.
 
-    ``shapes``: ``{name: (rows, cols)}`` of every matrix; ``write_meta(obj, file)`` writes the meta file (rank 0);
+    ``shapes``: ``{name: (rows, cols)}`` of every matrix, and under FSDP2 of every parameter (a vector as
+    ``(n, 1)``: its state is sharded by rows too); ``write_meta(obj, file)`` writes the meta file (rank 0);
     ``device_type``: the training device's type (``"cuda"`` or ``"cpu"``), the type of the DCP mesh.
     """
     import torch.distributed.checkpoint as dcp
@@ -106,7 +107,7 @@ def save_sharded(
             if key not in entry:
                 continue
             value = entry[key]
-            if entry["kind"] == "matrix":
+            if name in shapes:
                 rows, cols = shapes[name]
                 value = _row_sharded(value.reshape(-1, cols), rows, cols, ranks, device_type)
             tensors[name][key] = value
@@ -135,28 +136,33 @@ def load_sharded(
     param_shapes: Mapping[str, tuple[int, ...]],
     ranks: Ranks,
     device_type: str = "cpu",
+    model_targets: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Read a sharded directory into a Lightning checkpoint dict for this rank: the model's ``state_dict`` whole, the
     engine state as this rank's row blocks at the current number of ranks (``row_blocks``).
 
     ``meta``: the directory's meta file, read by the caller; ``model_state``: the module's ``state_dict`` (the shapes
-    to read into); ``param_shapes``: ``{name: shape}`` of its parameters.
+    to read into); ``param_shapes``: ``{name: shape}`` of its parameters; ``model_targets``: tensors to read the
+    weights into instead of new whole ones (FSDP2: the module's own sharded ``DTensor`` state, read in place).
     """
     import torch.distributed.checkpoint as dcp
 
     written = meta[FORMAT_KEY]
-    model = {
-        key: torch.empty(tuple(shape), dtype=model_state[key].dtype)
-        for key, shape in written["model"].items()
-        if key in model_state
-    }
+    if model_targets is not None:
+        model = {key: value for key, value in model_targets.items() if key in written["model"]}
+    else:
+        model = {
+            key: torch.empty(tuple(shape), dtype=model_state[key].dtype)
+            for key, shape in written["model"].items()
+            if key in model_state
+        }
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, keys in written["keys"].items():
         tensors[name] = {}
         for key in keys:
             if name in written["matrices"]:
                 rows, cols = written["matrices"][name]
-                start, stop = ranks.own_rows(rows)
+                start, stop = ranks.block_of(rows)
                 tensors[name][key] = _row_sharded(torch.empty(stop - start, cols), rows, cols, ranks, device_type)
             else:
                 tensors[name][key] = torch.empty(param_shapes.get(name, ()))

@@ -1,0 +1,541 @@
+"""ZenFlowFSDPStrategy: ZenFlow on FSDP2's shards (``fully_shard``), through Lightning's ModelParallelStrategy.
+
+FSDP2 splits every parameter by rows (dim 0, ``torch.chunk`` blocks): each rank holds whole columns of its rows,
+all-gathers the weights for forward and backward and reduce-scatters the gradients into its shard. ZenFlow works
+on the shards: the engine's parameters are plain tensors that share each sharded parameter's local memory
+(:class:`LocalShards`), so the device update of the selected columns, the window's accumulation, the host worker's
+update and the landing all touch this rank's rows only, and nothing is gathered beyond FSDP2's own collectives.
+Device bytes for the weights, gradients and ZenFlow's state fall as ``1/W``, and so do each rank's host bytes.
+
+- **Selection is global**: at a refresh every rank scores its rows' columns and one all-reduce sums the scores
+  (``Ranks.sum_scores_``), so every rank chooses the columns one process would choose from the same gradient.
+- **Interim moves are off** (``interim_step`` resolves to 0, the paper's rule): their per-column statistics are
+  means over *all* rows of a matrix, which FSDP2's shards split; an explicit ``interim_step > 0`` is refused.
+- **Checkpoints**: ``checkpoint_format="sharded"`` writes a ``torch.distributed.checkpoint`` directory in which the
+  weights are FSDP2's DTensors and every parameter's ZenFlow state (master, moments, window sum) is a row-sharded
+  DTensor over the rank's host memory (``strategies/sharded.py``): it resumes at any number of ranks.
+  ``"full"`` (the default) gathers everything to rank 0 into the format of the other strategies: one ``.ckpt`` that
+  resumes under :class:`~lightning_zenflow.ZenFlowStrategy`, the data-parallel strategy, plain AdamW, or this one.
+
+The recipe (README, "FSDP2"): ``Trainer(strategy="zenflow_fsdp", devices=N)``, and in the LightningModule's
+``configure_model`` apply ``fully_shard(block, mesh=self.device_mesh["data_parallel"])`` to each block and then to
+the module that holds them all, so that every trainable parameter is sharded. FSDP1 wrappers, tensor parallelism,
+2-D (HSDP) meshes and ``CPUOffloadPolicy`` are refused with the fix named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
+from lightning_zenflow.engine.optimizers import ZeroGradGuard
+from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.strategies.base import CHECKPOINT_KEY, ZenFlowStrategyBase, zenflow_knobs
+from lightning_zenflow.strategies.ddp import COLLECTIVE_TIMEOUT
+from lightning_zenflow.strategies.sharded import save_sharded
+
+ROW_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad_acc")
+"""The per-row tensors of a parameter's ZenFlow state: sharded with the parameter's rows."""
+
+
+def _fix() -> str:
+    return (
+        'apply fully_shard(module, mesh=self.device_mesh["data_parallel"]) in configure_model to every block and '
+        "then to the module that holds them, so that every trainable parameter is an FSDP2 shard"
+    )
+
+
+class LocalShards:
+    """The engine's view of an FSDP2 model: for every sharded parameter of the user's optimizer a plain
+    ``nn.Parameter`` that shares the memory of its local shard, in an optimizer of the same class and groups.
+
+    The engine writes the shards in place through them (the weights FSDP2 all-gathers next). Before each engine step
+    :meth:`before_step` hands them the local shards of the reduce-scattered gradients and the groups' current
+    hyperparameters (a scheduler sets them on the user's optimizer); :meth:`release` drops the gradients again."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[torch.Tensor, str]) -> None:
+        self.optimizer = optimizer
+        self.pairs: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
+        self.names: dict[torch.Tensor, str] = {}
+        groups = []
+        for group in optimizer.param_groups:
+            locals_ = []
+            for param in group["params"]:
+                shadow = torch.nn.Parameter(_local(param), requires_grad=param.requires_grad)
+                self.pairs.append((param, shadow))
+                self.names[shadow] = names[param]
+                locals_.append(shadow)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": locals_})
+        kind = torch.optim.AdamW if isinstance(optimizer, torch.optim.AdamW) else torch.optim.Adam
+        self.local_optimizer = kind(groups)
+
+    def before_step(self) -> None:
+        for group, local_group in zip(self.optimizer.param_groups, self.local_optimizer.param_groups):
+            local_group.update({key: value for key, value in group.items() if key != "params"})
+        for param, shadow in self.pairs:
+            local = _local(param)
+            if local.data_ptr() != shadow.data_ptr() or local.shape != shadow.shape:
+                raise UnsupportedSetupError(
+                    f"the FSDP2 shard of a parameter with {tuple(param.shape)} elements was replaced after ZenFlow "
+                    "started (a module.to(), a load_state_dict(assign=True) or a second fully_shard during fit); "
+                    "change the model before fit, in configure_model."
+                )
+            if shadow.requires_grad != param.requires_grad:
+                shadow.requires_grad_(param.requires_grad)
+            grad = param.grad
+            shadow.grad = None if grad is None else _local(grad)
+
+    def release(self) -> None:
+        for _, shadow in self.pairs:
+            shadow.grad = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor object FSDP2 keeps, not an autograd view of it)."""
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
+    """ZenFlow on FSDP2: every rank's engine and host worker hold only the rows of its shards.
+
+    The ZenFlow knobs are those of :class:`~lightning_zenflow.ZenFlowStrategy` (the README table), with
+    ``interim_step`` fixed to 0 (see the module's notes); the rest are Lightning's ModelParallelStrategy options.
+
+    Args:
+        topk_ratio: fraction of columns of each matrix updated on the device every step.
+        update_interval: steps per host window S, or ``"auto"`` (the ranks agree on the largest choice).
+        select_strategy: ``"auto"``, ``"step"`` or ``"epoch"``: when the important columns are re-chosen.
+        select_interval: refresh period in the unit of ``select_strategy``, or ``"auto"``.
+        full_warm_up_rounds: first steps run as plain synchronous AdamW.
+        overlap_step: run the host update in the background (its result lands one window later).
+        land_after: with overlap, land the host update this many steps after its window (None: a window later).
+        overlap_after: windows closing at steps up to this land at once (the device waits); later ones overlap.
+        interim_step: ``"auto"`` or 0 (both: the paper's rule); interim moves need whole columns.
+        accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
+        importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
+        sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
+            ``"epoch_end"``, ``"checkpoint"`` (none by default: observing a run does not change its numbers).
+        host_threads: threads of each rank's host worker (``None``: its share of the rank's cores).
+        pt_reserved_cores_perc: share of a rank's cores kept for its training process.
+        bind_cores: pin each rank's training process and host worker to disjoint cores.
+        worker_timeout_s: a host worker silent this long fails the run (on every rank).
+        log_telemetry: log ``zenflow/*`` metrics and show the stall share in the progress bar.
+        checkpoint_format: ``"full"`` (one ``.ckpt`` file, gathered to rank 0) or ``"sharded"`` (a directory).
+        data_parallel_size: ranks FSDP2 shards over (``"auto"``: all of them; the only supported value is all).
+        process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs) by default.
+        timeout: bound on every collective (see ``strategies/ddp.py``'s ``COLLECTIVE_TIMEOUT``).
+    """
+
+    strategy_name = "zenflow_fsdp"
+
+    def __init__(
+        self,
+        topk_ratio: float = 0.1,
+        update_interval: int | Literal["auto"] = 4,
+        select_strategy: Literal["auto", "step", "epoch"] = "auto",
+        select_interval: int | Literal["auto"] = "auto",
+        full_warm_up_rounds: int = 10,
+        overlap_step: bool = True,
+        land_after: int | None = None,
+        overlap_after: int = 0,
+        interim_step: float | Literal["auto"] = "auto",
+        accumulate_on: Literal["auto", "device", "host"] = "auto",
+        importance: Literal["l2", "l1"] = "l2",
+        sync_on: tuple[str, ...] | list[str] = (),
+        host_threads: int | None = None,
+        pt_reserved_cores_perc: float = 0.5,
+        bind_cores: bool = True,
+        worker_timeout_s: float = 10.0,
+        log_telemetry: bool = True,
+        checkpoint_format: Literal["full", "sharded"] = "full",
+        data_parallel_size: int | Literal["auto"] = "auto",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = COLLECTIVE_TIMEOUT,
+    ) -> None:
+        if interim_step != "auto" and float(interim_step) != 0.0:
+            raise MisconfigurationException(
+                f"zenflow_fsdp runs the paper's rule (interim_step=0); interim_step={interim_step} needs statistics "
+                "over every row of a matrix, which FSDP2's shards split across ranks. Leave interim_step at 'auto' "
+                "or 0, or use strategy='zenflow' (data parallel) for interim moves."
+            )
+        knobs = zenflow_knobs(locals())
+        knobs["interim_step"] = 0.0
+        self._init_zenflow(knobs)
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=checkpoint_format == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._shards: LocalShards | None = None
+        self._zero_grad_guard: ZeroGradGuard | None = None
+        self._consolidated: tuple[object, dict, dict] | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="ZenFlow offloaded AdamW on FSDP2 shards")
+
+    @override
+    def setup_environment(self) -> None:
+        self._check_accelerator()
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        if self._data_parallel_size != self.num_nodes * self.num_processes:
+            raise MisconfigurationException(
+                f"zenflow_fsdp shards over every rank; data_parallel_size={self._data_parallel_size} leaves "
+                f"{self.num_nodes * self.num_processes} ranks in other mesh dimensions (tensor parallelism, HSDP), "
+                "which ZenFlow does not support. Leave data_parallel_size='auto'."
+            )
+        super().setup_environment()
+
+    @override
+    def _engine_ranks(self) -> Ranks:
+        return Ranks.from_process_group(local_rank=self.local_rank, local_world=self.num_processes, rows_local=True)
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return True  # the optimizer state goes to the engine (load_optimizer_state_dict), not loaded in place
+
+    # --------------------------------------------------------------------------------------- the local shards
+    @override
+    def _engine_parameters(self) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, str]]:
+        module = self.lightning_module
+        _lazy_init(module)  # FSDP2 may re-pad and replace a shard at its first forward: before ZenFlow holds them
+        optimizer = self.optimizers[0]
+        names = {param: name for name, param in module.named_parameters()}
+        world = self.world_size
+        ranks = self._engine_ranks()
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                _check_shard(param, names.get(param, "a parameter"), world, ranks, self.root_device)
+        _check_no_cpu_offload(module)
+        self._shards = LocalShards(optimizer, names)
+        return self._shards.local_optimizer, self._shards.names
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if self.engine is None or self._shards is None:
+            return
+        shards, engine = self._shards, self.engine
+
+        def before_zero_grad() -> None:
+            engine.wait_for_gradients()
+            shards.release()
+
+        # Lightning zeroes the user's optimizer: first the engine reads the gradients, then the views are dropped
+        self._zero_grad_guard = ZeroGradGuard(self.optimizers[0], before_zero_grad)
+        self.precision_plugin.before_engine_step = shards.before_step
+
+    @override
+    def _close_engine(self, cache_state: bool) -> None:
+        try:
+            super()._close_engine(cache_state)
+        finally:
+            if self._zero_grad_guard is not None:
+                self._zero_grad_guard.remove()
+                self._zero_grad_guard = None
+            if self._shards is not None:
+                self._shards.release()
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def _final_state_of(self, engine: ZenFlowEngine) -> tuple[dict | None, dict, dict | None]:
+        return (None, engine.row_block_state_dict(), None)
+
+    def _row_state(self) -> dict | None:
+        if self.engine is not None:
+            return self.engine.row_block_state_dict()
+        return None if self._final_state is None else self._final_state[1]
+
+    def _global_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{name: (rows, cols)}`` of every parameter as a whole (a vector: ``(n, 1)``)."""
+        shapes = {}
+        for name, param in self.lightning_module.named_parameters():
+            rows = param.shape[0] if param.dim() else 1
+            shapes[name] = (rows, param.numel() // max(1, rows))
+        return shapes
+
+    def _consolidate(self) -> tuple[dict, dict] | None:
+        """The whole state on rank 0 in the other strategies' format: (torch AdamW state, ZenFlow state without
+        moments); ``({"state": {}, ...}, {})`` on the other ranks. Collective: every rank gathers each tensor of its
+        rows (one whole tensor of device memory at a time). Taken once per point of the run."""
+        key = self.engine.state_point() if self.engine is not None else None
+        if self._consolidated is not None and self._consolidated[0] == key and key is not None:
+            return self._consolidated[1], self._consolidated[2]
+        row_state = self._row_state()
+        if row_state is None:
+            return None
+        torch_state, state = consolidate(
+            row_state, self.optimizers[0], self.lightning_module, self._engine_ranks(), self.root_device
+        )
+        self._consolidated = (key, torch_state, state)
+        return torch_state, state
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.engine is None and self._final_state is None:
+            return super().optimizer_state(optimizer)
+        if self._sharded_checkpoints:
+            return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
+        consolidated = self._consolidate()
+        return consolidated[0]
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        row_state = None
+        if "optimizer_states" in checkpoint:
+            row_state = self._row_state() if self._sharded_checkpoints else None
+            if not self._sharded_checkpoints and (self.engine is not None or self._final_state is not None):
+                checkpoint[CHECKPOINT_KEY] = self._consolidate()[1]
+        if row_state is None:
+            ModelParallelStrategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+            return
+        shapes = self._global_shapes()
+        flat = {
+            **row_state,
+            "params": {
+                name: {
+                    key: (value.reshape(-1, shapes[name][1]) if key in ROW_KEYS else value)
+                    for key, value in entry.items()
+                }
+                for name, entry in row_state["params"].items()
+            },
+        }
+        save_sharded(
+            self.broadcast(str(filepath)),
+            checkpoint,
+            flat,
+            {name: shapes[name] for name in flat["params"]},
+            self._engine_ranks(),
+            write_meta=lambda meta, file: self.checkpoint_io.save_checkpoint(meta, file),
+            device_type=self.root_device.type,
+        )
+
+    @override
+    def _read_checkpoint_file(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # a plain read: ModelParallelStrategy's own reader would load the moments into the torch optimizer
+        return Strategy.load_checkpoint(self, path, *args, **kwargs)
+
+    @override
+    def _sharded_model_targets(self) -> Mapping[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)  # this rank's shards, read in place
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state_dict = checkpoint["state_dict"]
+        whole = not any(_is_dtensor(value) for value in state_dict.values())
+        options = StateDictOptions(full_state_dict=whole, strict=strict)
+        set_model_state_dict(self.model, state_dict, options=options)
+        if self.engine is not None:
+            self.engine.adopt_weights()  # the engine started from the weights before the checkpoint replaced them
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.engine is None:
+            return  # evaluation: no optimizer state to restore
+        super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def _load_engine_state(self, checkpoint: Mapping[str, Any], torch_state: Mapping[str, Any]) -> None:
+        shapes = {name: tuple(param.shape) for name, param in self.lightning_module.named_parameters()}
+        state = checkpoint.get(CHECKPOINT_KEY)
+        ranks = self._engine_ranks()
+        local_shapes = {name: tuple(shadow.shape) for shadow, name in self._shards.names.items()}
+        if state is not None and state.get("row_blocks"):
+            params = {}
+            for name, entry in state["params"].items():
+                if entry.get("kind") == "device":
+                    # a vector as this rank's rows: a whole one (a data-parallel directory) is cut to them
+                    entry = {
+                        key: (
+                            _local_vector(value, shapes[name], local_shapes[name], ranks) if key in ROW_KEYS else value
+                        )
+                        for key, value in entry.items()
+                    }
+                params[name] = entry
+            self.engine.load_state_dict({**state, "params": params})
+            return
+        names = [self._shards.names[shadow] for _, shadow in self._shards.pairs]
+        if state is None:
+            self.engine.load_torch_state_dict(local_torch_state(torch_state, names, shapes, ranks))
+            return
+        self.engine.load_state_dict(local_row_state(state, torch_state, names, shapes, local_shapes, ranks))
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _is_dtensor(tensor: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _check_shard(param: torch.Tensor, name: str, world: int, ranks: Ranks, device: torch.device) -> None:
+    from torch.distributed.tensor import Shard
+
+    if not _is_dtensor(param):
+        raise MisconfigurationException(f"zenflow_fsdp: parameter {name!r} is not sharded by FSDP2; {_fix()}.")
+    placements = tuple(param.placements)
+    if param.device_mesh.ndim != 1 or placements != (Shard(0),) or param.device_mesh.size() != world:
+        raise MisconfigurationException(
+            f"zenflow_fsdp: parameter {name!r} is placed {placements} on a mesh of shape "
+            f"{tuple(param.device_mesh.shape)}; ZenFlow takes FSDP2's row shards over all {world} ranks only (no "
+            f"tensor parallelism, no 2-D mesh): {_fix()}."
+        )
+    rows = param.shape[0] if param.dim() else 1
+    if any(start == stop for start, stop in ranks.row_range(rows)):
+        raise MisconfigurationException(
+            f"zenflow_fsdp: parameter {name!r} has {rows} rows, which FSDP2's blocks of ceil({rows} / {world}) rows "
+            f"leave some of the {world} ranks none of; use fewer ranks, or a size that gives every rank a row."
+        )
+    local = _local(param)
+    start, stop = ranks.block_of(rows)
+    if local.shape[0] != stop - start or local.device.type != device.type:
+        raise MisconfigurationException(
+            f"zenflow_fsdp: the local shard of {name!r} has {local.shape[0]} rows on {local.device.type}; FSDP2's "
+            f"row block of this rank is {stop - start} rows on {device.type}: {_fix()}, "
+            "without a custom shard_placement_fn."
+        )
+
+
+def _check_no_cpu_offload(module: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    for submodule in module.modules():
+        get_state = getattr(submodule, "_get_fsdp_state", None)
+        group = None if get_state is None else get_state()._fsdp_param_group
+        if group is not None and isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy):
+            raise MisconfigurationException(
+                "zenflow_fsdp: fully_shard was given offload_policy=CPUOffloadPolicy(), which keeps every shard on "
+                "the CPU and runs the whole step there; ZenFlow is the offload (the host state is already on the CPU "
+                "and the important columns stay on the device). Remove offload_policy from fully_shard."
+            )
+
+
+def _lazy_init(module: torch.nn.Module) -> None:
+    """FSDP2's lazy initialisation, which its first forward would run, for the outermost sharded modules."""
+    inside: set[int] = set()
+    for submodule in module.modules():
+        if id(submodule) in inside or getattr(submodule, "_get_fsdp_state", None) is None:
+            continue
+        inside.update(id(m) for m in submodule.modules())
+        lazy = getattr(submodule._get_fsdp_state(), "_lazy_init", None)
+        if lazy is not None:
+            lazy()
+
+
+# ------------------------------------------------------------------------------------------- conversions
+def consolidate(
+    row_state: Mapping[str, Any], optimizer: torch.optim.Optimizer, module: torch.nn.Module, ranks: Ranks, device: Any
+) -> tuple[dict, dict]:
+    """This rank's row blocks of every parameter's ZenFlow state (``row_block_state_dict``), gathered to rank 0
+    and split as the other strategies save it: a torch AdamW state (moments, steps) and the ZenFlow state without
+    moments. The other ranks take part and get an empty state (Lightning's consolidated convention)."""
+    shapes = {name: tuple(param.shape) for name, param in module.named_parameters()}
+    params = {}
+    for name, entry in row_state["params"].items():
+        rows = shapes[name][0] if shapes[name] else 1
+        whole = dict(entry)
+        for key in ROW_KEYS:
+            if key in entry:
+                block = entry[key].reshape(entry[key].shape[0] if entry[key].dim() else 1, -1).float().cpu()
+                gathered = ranks.gather_rows(block, rows, device)
+                whole[key] = None if gathered is None else gathered.reshape(shapes[name])
+        params[name] = whole
+    param_groups = optimizer.state_dict()["param_groups"]
+    if ranks.rank != 0:
+        return {"state": {}, "param_groups": param_groups}, {}
+    names = {param: name for name, param in module.named_parameters()}
+    torch_state = {}
+    position = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = params.get(names.get(param, ""))
+            if entry is not None:
+                step = float(max(entry["device_step"], entry["host_step"]))
+                torch_state[position] = {
+                    "step": torch.tensor(step, dtype=torch.float32),
+                    "exp_avg": entry["exp_avg"],
+                    "exp_avg_sq": entry["exp_avg_sq"],
+                }
+            position += 1
+    without_moments = {
+        name: {key: value for key, value in entry.items() if key not in ("exp_avg", "exp_avg_sq")}
+        for name, entry in params.items()
+    }
+    state = {key: value for key, value in row_state.items() if key not in ("params", "row_blocks")}
+    state["params"] = without_moments
+    return {"state": torch_state, "param_groups": param_groups}, state
+
+
+def _local_vector(
+    value: torch.Tensor, shape: tuple[int, ...], local_shape: tuple[int, ...], ranks: Ranks
+) -> torch.Tensor:
+    rows = shape[0] if shape else 1
+    if value.numel() == torch.Size(shape).numel() and torch.Size(shape).numel() != torch.Size(local_shape).numel():
+        value = _block(value, rows, ranks)
+    return value.reshape(local_shape)
+
+
+def _block(tensor: torch.Tensor, rows: int, ranks: Ranks) -> torch.Tensor:
+    """This rank's rows of a whole tensor (``rows`` of them), as ``[block_rows, rest]``."""
+    start, stop = ranks.block_of(rows)
+    return tensor.reshape(rows, -1)[start:stop].clone()
+
+
+def local_torch_state(
+    torch_state: Mapping[str, Any], names: list[str], shapes: Mapping[str, tuple[int, ...]], ranks: Ranks
+) -> dict:
+    """A whole torch AdamW state cut to this rank's rows (positions as in the optimizer, ``names`` by position)."""
+    state = {}
+    for position, entry in torch_state["state"].items():
+        shape = shapes[names[int(position)]]
+        rows = shape[0] if shape else 1
+        local = dict(entry)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in entry:
+                block = _block(entry[key], rows, ranks)
+                local[key] = block.reshape(-1, *shape[1:]) if len(shape) > 1 else block.reshape(-1)
+        state[position] = local
+    return {"state": state, "param_groups": torch_state["param_groups"]}
+
+
+def local_row_state(
+    state: Mapping[str, Any],
+    torch_state: Mapping[str, Any],
+    names: list[str],
+    shapes: Mapping[str, tuple[int, ...]],
+    local_shapes: Mapping[str, tuple[int, ...]],
+    ranks: Ranks,
+) -> dict:
+    """A whole ZenFlow state (and the torch state that holds its moments) as this rank's row blocks."""
+    moments = {names[int(position)]: entry for position, entry in torch_state["state"].items()}
+    params = {}
+    for name, entry in state["params"].items():
+        whole = {**{key: moments.get(name, {}).get(key) for key in ("exp_avg", "exp_avg_sq")}, **entry}
+        rows = shapes[name][0] if shapes.get(name) else 1
+        local = {key: value for key, value in whole.items() if value is not None}
+        for key in ROW_KEYS:
+            if local.get(key) is not None:
+                block = _block(local[key], rows, ranks)
+                local[key] = block.reshape(local_shapes[name]) if entry.get("kind") == "device" else block
+        params[name] = local
+    return {**state, "params": params, "row_blocks": True}
