@@ -69,7 +69,12 @@ class ShardedModule(InOrderModule):
 
         if self.shard == "none":
             return
-        extra = {"offload_policy": CPUOffloadPolicy()} if self.shard == "offload" else {}
+        if self.shard == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            self.net = FullyShardedDataParallel(self.net, device_id=torch.device("cpu"), use_orig_params=True)
+            return
+        extra = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if self.shard == "offload" else {}
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):

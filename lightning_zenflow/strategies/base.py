@@ -11,6 +11,7 @@ import math
 import pathlib
 from collections.abc import Mapping
 from dataclasses import fields
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,6 +40,12 @@ from lightning_zenflow.strategies.telemetry import ZenFlowTelemetry
 
 CHECKPOINT_KEY = "zenflow"
 """Top-level checkpoint key of the engine's own state (the moments live in ``optimizer_states``)."""
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+"""Default bound on any collective of the multi-rank strategies: a rank that stopped answering (its process died,
+or it hangs) fails the others after this long instead of Lightning's 30 minutes. Raise it when a rank may
+legitimately lag that long (e.g. rank 0 writing a large checkpoint to a slow disk while the others wait at a
+barrier)."""
 
 
 class CheckpointError(ValueError):

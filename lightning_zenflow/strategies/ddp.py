@@ -32,12 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.strategies.base import ZenFlowStrategyBase, zenflow_knobs
+from lightning_zenflow.strategies.base import COLLECTIVE_TIMEOUT, ZenFlowStrategyBase, zenflow_knobs
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-"""Default bound on any collective: a rank that stopped answering (its process died, or it hangs) fails the others
-after this long instead of Lightning's 30 minutes. Raise it when a rank may legitimately lag that long (e.g. rank 0
-writing a large checkpoint to a slow disk while the others wait at a barrier)."""
 SIBLING_GRACE_S = 10.0
 """After a failure, the launching rank lets the ranks it started end cleanly this long before it kills them."""
 
