@@ -8,6 +8,7 @@
 #   gpu_tests_engine.txt/.xml    every test marked gpu, in every test file (pytest -m gpu), but Lightning's; -v: one
 #                                line per test as it finishes, so a timeout keeps what ran
 #   gpu_tests_lightning.txt/.xml the Lightning fits on CUDA
+#   gpu_tests_nccl.txt/.xml      on 2+ GPUs only: data parallel and FSDP2 (zenflow_fsdp) over NCCL
 #   gpu_stall_trace.json      a torch.profiler Chrome trace of a few ZenFlow steps (open in chrome://tracing, Perfetto)
 #   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each)
 #   steps.txt                 each step's exit status and seconds (124: it hit its timeout)
@@ -87,11 +88,21 @@ run_step env 90 bash -c machine
 
 # the tests first, in two steps (the engine's, then Lightning's), each test's result written as it finishes (-v
 # through tee), so a step cut off by its timeout still leaves the name and outcome of every test that ran
-run_step gpu_tests_engine 200 "$python" -m pytest tests/ -m gpu -k "not lightning" -v -rs --durations=15 \
+run_step gpu_tests_engine 200 "$python" -m pytest tests/ -m gpu -k "not lightning and not two_gpus" -v -rs \
+  --durations=15 \
   -p no:cacheprovider --junitxml="$out/gpu_tests_engine.xml"
 
 run_step gpu_tests_lightning 150 "$python" -m pytest tests/ -m gpu -k lightning -v -rs --durations=15 \
   -p no:cacheprovider --junitxml="$out/gpu_tests_lightning.xml"
+
+# NCCL: data parallel and FSDP2 on two GPUs (tests/test_gpu.py, "two_gpus"), where the machine has them
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if ((gpus >= 2)); then
+  run_step gpu_tests_nccl 150 "$python" -m pytest tests/test_gpu.py -m gpu -k two_gpus -v -rs \
+    -p no:cacheprovider --junitxml="$out/gpu_tests_nccl.xml"
+else
+  echo "gpu_tests_nccl: skipped, ${gpus:-0} GPU(s) here (needs 2)" | tee -a "$out/steps.txt"
+fi
 
 run_step gpu_stall 120 "$python" benchmarks/gpu_stall.py --device cuda --budget-s 25 --out "$out/gpu_stall.jsonl"
 

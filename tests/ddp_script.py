@@ -191,6 +191,7 @@ def fit(out: pathlib.Path, options: dict) -> None:
         strategy=strategy,
         max_steps=options.get("max_steps", 8),
         accumulate_grad_batches=options.get("accumulate_grad_batches", 1),
+        gradient_clip_val=options.get("gradient_clip_val"),
         max_epochs=100,
         logger=False,
         enable_checkpointing=bool(options.get("checkpoint_every")),

@@ -731,3 +731,28 @@ def test_two_gpus_equal_one_gpu_with_the_doubled_batch(tmp_path: pathlib.Path) -
     assert runs[2][0]["strategy"] == "ZenFlowDDPStrategy"
     assert_weights_equal(runs[2][1]["weights"], runs[2][0]["weights"])
     assert_weights_close(runs[2][0]["weights"], runs[1][0]["weights"], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_fsdp2_equal_model_parallel_adamw_and_one_gpu(tmp_path: pathlib.Path) -> None:
+    """FSDP2 on NCCL: ``zenflow_fsdp`` at exact settings follows Lightning's ModelParallelStrategy with AdamW, and at
+    the test knobs one ``ZenFlowStrategy`` GPU on the same global batch (selection is global)."""
+    from test_lightning_ddp import results, run_script
+    from test_lightning_fsdp import GLOBAL_BATCH, KNOBS
+
+    def fit(name: str, devices: int, **options: object) -> list[dict]:
+        out = tmp_path / name
+        options = {"accelerator": "gpu", "devices": devices, "samples": 48, **options}
+        done = run_script(out, batch_size=GLOBAL_BATCH // devices, **options)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return results(out, devices)
+
+    exact = fit("exact", 2, fsdp=True, strategy={"topk_ratio": 1.0})
+    adamw = fit("adamw", 2, fsdp=True, strategy="adamw")
+    assert [r["strategy"] for r in exact] == ["ZenFlowFSDPStrategy"] * 2
+    assert_weights_close(exact[0]["weights"], adamw[0]["weights"], atol=1e-5, rtol=0.0)
+    two = fit("two", 2, fsdp=True, strategy=KNOBS)
+    one = fit("one", 1, wide=True, strategy={**KNOBS, "interim_step": 0})
+    assert one[0]["strategy"] == "ZenFlowStrategy"
+    assert_weights_equal(two[1]["weights"], two[0]["weights"])
+    assert_weights_close(two[0]["weights"], one[0]["weights"], atol=1e-5, rtol=1e-4)

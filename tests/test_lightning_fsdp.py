@@ -3,7 +3,8 @@
 Every fit runs ``tests/ddp_script.py`` with ``fsdp`` set: the module (8 -> 24 -> 6, every row count split evenly
 over 1, 2 and 3 ranks) applies ``fully_shard`` to each linear layer and then to itself in ``configure_model``, as the
 README's recipe says. The one-process fits it is compared with (``ZenFlowStrategy``, Lightning's AdamW) run the same
-script's ``fit`` in this process. Covered: the exact settings equal Lightning's ModelParallelStrategy with torch AdamW;
+script's ``fit`` in this process. Covered: the exact settings equal Lightning's ModelParallelStrategy with torch AdamW
+(also clipped by norm: the global norm of the shards);
 2 ranks equal one process on the same global batch (selection is global); each rank's device bytes (weights,
 gradients, ZenFlow's state) and host bytes fall as 1/W; full and sharded checkpoints written at 2 ranks resume at 1
 and 3 ranks as the rest of the run, and the full one under plain AdamW and ZenFlowStrategy; a killed worker on rank 1
@@ -67,6 +68,21 @@ def test_exact_settings_equal_model_parallel_adamw(fits: Fits, exact: dict) -> N
     assert zenflow[0]["global_step"] == adamw[0]["global_step"] == 8
     assert_weights_close(zenflow[0]["weights"], adamw[0]["weights"], atol=1e-6, rtol=0.0)
     assert_weights_equal(zenflow[1]["weights"], zenflow[0]["weights"])  # both ranks gathered the same model
+
+
+def test_clipping_by_norm_takes_the_global_norm_of_the_shards(fits: Fits) -> None:
+    # a threshold every step's gradient norm exceeds: a norm over one rank's shard only would clip differently
+    exact = {**KNOBS, "update_interval": 1, "overlap_step": False}
+    _, zenflow = fits.get(2, strategy=exact, gradient_clip_val=0.05)
+    _, adamw = fits.get(2, strategy="adamw", gradient_clip_val=0.05)
+    _, unclipped = fits.get(2, strategy="adamw")
+    _, one = fits.get(1, fsdp=False, strategy={**exact, "interim_step": 0}, gradient_clip_val=0.05)
+    assert_weights_close(zenflow[0]["weights"], adamw[0]["weights"], atol=1e-6, rtol=0.0)
+    assert_weights_close(zenflow[0]["weights"], one[0]["weights"], atol=1e-6, rtol=1e-5)  # one process: one norm
+    differs = max(
+        (adamw[0]["weights"][k] - unclipped[0]["weights"][k]).abs().max().item() for k in unclipped[0]["weights"]
+    )
+    assert differs > 1e-4, f"the threshold did not clip (weights moved by {differs:.1e} at most)"
 
 
 def test_two_ranks_equal_one_process_on_the_global_batch(fits: Fits) -> None:
