@@ -220,7 +220,12 @@ def fit(out: pathlib.Path, options: dict) -> None:
 
 
 def main() -> None:
-    fit(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))
+    """One fit, or with ``{"batch": [[OUT_DIR, OPTIONS], ...]}`` several one after another in the same processes (one
+    launch, one process group: Lightning launches the ranks at the first fit and reuses them for the others)."""
+    out, options = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
+    for path, each in options.get("batch", [[str(out), options]]):
+        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+        fit(pathlib.Path(path), each)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ ranks with the error, leaving no process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -46,31 +47,77 @@ def results(out: pathlib.Path, ranks: int) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
 
 
+def _key(options: dict) -> str:
+    return json.dumps(options, sort_keys=True)
+
+
 class Fits:
-    """Each configuration is fitted once per module and shared by the tests that compare it."""
+    """Each configuration is fitted once per module and shared by the tests that compare it.
+
+    One-rank fits (not FSDP2) run in this process. The others run as scripts, in batches: the first request for a
+    number of ranks launches it together with every configuration :meth:`plan` named for that many ranks (and the
+    same ``fsdp``) that is not fitted yet and whose checkpoint, if it resumes one, exists; the batch runs one fit after
+    another in one set of processes, so a module pays the start-up of its ranks once per batch, not once per fit."""
 
     def __init__(self, root: pathlib.Path) -> None:
         self.root = root
         self.cache: dict[str, list[dict]] = {}
+        self.planned: list[dict] = []
+
+    def plan(self, *configs: dict) -> None:
+        self.planned.extend(configs)
+
+    def dir(self, **options: object) -> pathlib.Path:
+        """Where the fit of ``options`` writes (its checkpoints included), fitted or not."""
+        return self.root / f"fit-{hashlib.sha1(_key(options).encode()).hexdigest()[:12]}"
 
     def get(self, **options: object) -> list[dict]:
-        key = json.dumps(options, sort_keys=True)
+        key = _key(options)
         if key not in self.cache:
-            out = self.root / f"fit{len(self.cache)}"
-            if int(options.get("devices", 1)) == 1:  # type: ignore[arg-type]
+            devices = int(options.get("devices", 1))  # type: ignore[arg-type]
+            if devices == 1 and not options.get("fsdp"):
                 # one rank needs no launcher: the same fit in this process (no Lightning import to pay again)
+                out = self.dir(**options)
                 out.mkdir(parents=True)
-                ddp_script.fit(out, json.loads(json.dumps(options)))
+                ddp_script.fit(out, json.loads(key))
+                self.cache[key] = results(out, 1)
             else:
-                done = run_script(out, **options)
-                assert done.returncode == 0, done.stderr[-3000:]
-            self.cache[key] = results(out, int(options.get("devices", 1)))  # type: ignore[arg-type]
+                self._launch(options)
         return self.cache[key]
+
+    def _launch(self, options: dict) -> None:
+        def joins(other: dict) -> bool:
+            same = all(other.get(k) == options.get(k) for k in ("devices", "fsdp", "accelerator"))
+            resumable = not other.get("ckpt_path") or pathlib.Path(str(other["ckpt_path"])).exists()
+            return same and resumable and _key(other) not in self.cache and _key(other) != _key(options)
+
+        batch = [options, *(other for other in self.planned if joins(other))]
+        out = self.root / f"launch{len(list(self.root.glob('launch*')))}"
+        done = run_script(
+            out, timeout_s=120.0 + 60.0 * len(batch), batch=[[str(self.dir(**each)), each] for each in batch]
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        for each in batch:
+            self.cache[_key(each)] = results(self.dir(**each), int(each.get("devices", 1)))
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
-    return Fits(tmp_path_factory.mktemp("fits"))
+    fits = Fits(tmp_path_factory.mktemp("fits"))
+    fits.plan(  # every two-rank fit below that resumes nothing: one launch
+        {"devices": 2, "strategy": KNOBS, "batch_size": 4},
+        {"devices": 2, "strategy": KNOBS, "batch_size": 2, "accumulate_grad_batches": 2},
+        {"devices": 2, "strategy": {"topk_ratio": 1.0}, "batch_size": 4},
+        {"devices": 2, "strategy": "adamw", "batch_size": 4},
+        CHECKPOINTED,
+        SHARDED_CHECKPOINTED,
+    )
+    return fits
+
+
+CHECKPOINTED = {"devices": 2, "strategy": KNOBS, "batch_size": 4, "checkpoint_every": 4}
+SHARDED_KNOBS = {**KNOBS, "checkpoint_format": "sharded", "accumulate_on": "host"}
+SHARDED_CHECKPOINTED = {**CHECKPOINTED, "strategy": SHARDED_KNOBS, "save_after": True}
 
 
 def test_zenflow_by_name_and_as_object_becomes_data_parallel() -> None:
@@ -125,8 +172,8 @@ def test_degenerate_case_equals_lightning_adamw(fits: Fits) -> None:
 
 def test_checkpoints_move_between_rank_counts_and_plain_adamw(fits: Fits) -> None:
     # ModelCheckpoint at step 4: mid-run, mid-window (S 2 and a sync at the checkpoint), a selection in place
-    two = fits.get(devices=2, strategy=KNOBS, batch_size=4, checkpoint_every=4)
-    saved = fits.root / f"fit{len(fits.cache) - 1}" / "step=4.ckpt"
+    two = fits.get(**CHECKPOINTED)
+    saved = fits.dir(**CHECKPOINTED) / "step=4.ckpt"
     assert saved.exists()
     # 2 ranks -> 1 rank: the rest of the 2-rank run, to float tolerance
     resumed = fits.get(devices=1, strategy=KNOBS, batch_size=8, ckpt_path=str(saved), checkpoint_every=4)
@@ -136,17 +183,18 @@ def test_checkpoints_move_between_rank_counts_and_plain_adamw(fits: Fits) -> Non
     plain = fits.get(devices=1, strategy="adamw", batch_size=8, ckpt_path=str(saved))
     assert plain[0]["global_step"] == 8
     # and a plain AdamW checkpoint resumes under ZenFlow at 2 ranks
-    fits.get(devices=1, strategy="adamw", batch_size=8, checkpoint_every=4)
-    saved_adamw = fits.root / f"fit{len(fits.cache) - 1}" / "step=4.ckpt"
+    plain_checkpointed = {"devices": 1, "strategy": "adamw", "batch_size": 8, "checkpoint_every": 4}
+    fits.get(**plain_checkpointed)
+    saved_adamw = fits.dir(**plain_checkpointed) / "step=4.ckpt"
     into_two = fits.get(devices=2, strategy=KNOBS, batch_size=4, ckpt_path=str(saved_adamw))
     assert into_two[0]["global_step"] == 8
     assert_weights_equal(into_two[1]["weights"], into_two[0]["weights"])
 
 
 def test_a_sharded_checkpoint_written_at_two_ranks_resumes_at_one(fits: Fits) -> None:
-    knobs = {**KNOBS, "checkpoint_format": "sharded", "accumulate_on": "host"}
-    two = fits.get(devices=2, strategy=knobs, batch_size=4, checkpoint_every=4, save_after=True)
-    run = fits.root / f"fit{len(fits.cache) - 1}"
+    knobs = SHARDED_KNOBS
+    two = fits.get(**SHARDED_CHECKPOINTED)
+    run = fits.dir(**SHARDED_CHECKPOINTED)
     saved = run / "step=4.ckpt"
     # a directory: the meta file and one torch.distributed.checkpoint file per rank
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]

@@ -13,48 +13,59 @@ ends both ranks; FSDP1, unsharded models, ``CPUOffloadPolicy`` and interim moves
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 
-import ddp_script
 import pytest
+import test_lightning_ddp
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_helpers import assert_weights_close, assert_weights_equal
-from test_lightning_ddp import assert_nothing_left, results, run_script
+from test_lightning_ddp import assert_nothing_left, run_script
 
 KNOBS = {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step", "select_interval": 4}
 GLOBAL_BATCH = 12
 """Samples per step over all ranks: 12 at 1 rank, 6 per rank at 2, 4 per rank at 3 (48 samples, 4 steps/epoch)."""
 
 
-class Fits:
-    """Each configuration is fitted once per module; FSDP2 fits always run as scripts (a process group each)."""
+def _options(devices: int, fsdp: bool = True, **options: object) -> dict:
+    options = {"devices": devices, "samples": 48, "batch_size": GLOBAL_BATCH // devices, **options}
+    options["fsdp" if fsdp else "wide"] = True
+    return options
 
-    def __init__(self, root: pathlib.Path) -> None:
-        self.root = root
-        self.cache: dict[str, tuple[pathlib.Path, list[dict]]] = {}
 
-    def get(self, devices: int, fsdp: bool = True, **options: object) -> tuple[pathlib.Path, list[dict]]:
-        options = {"devices": devices, "samples": 48, "batch_size": GLOBAL_BATCH // devices, **options}
-        options["fsdp" if fsdp else "wide"] = True
-        key = json.dumps(options, sort_keys=True)
-        if key not in self.cache:
-            out = self.root / f"fit{len(self.cache)}"
-            if fsdp:
-                done = run_script(out, **options)
-                assert done.returncode == 0, done.stderr[-3000:]
-            else:
-                out.mkdir(parents=True)
-                ddp_script.fit(out, json.loads(key))
-            self.cache[key] = (out, results(out, devices))
-        return self.cache[key]
+class Fits(test_lightning_ddp.Fits):
+    """The data-parallel tests' fits (FSDP2 fits run as scripts, batched per number of ranks), keyed by
+    :func:`_options`; :meth:`get` also returns the directory the fit wrote."""
+
+    def get(self, devices: int, fsdp: bool = True, **options: object) -> tuple[pathlib.Path, list[dict]]:  # type: ignore[override]
+        options = _options(devices, fsdp, **options)
+        return self.dir(**options), super().get(**options)
+
+
+CHECKPOINTED = {"strategy": KNOBS, "checkpoint_every": 4}
+SHARDED = {"strategy": {**KNOBS, "checkpoint_format": "sharded"}, "checkpoint_every": 4, "save_after": True}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
-    return Fits(tmp_path_factory.mktemp("fsdp_fits"))
+    fits = Fits(tmp_path_factory.mktemp("fsdp_fits"))
+    saved = {name: fits.dir(**_options(2, **run)) for name, run in (("full", CHECKPOINTED), ("sharded", SHARDED))}
+    s1 = {**KNOBS, "update_interval": 1, "overlap_step": False}
+    fits.plan(  # one launch per number of ranks: 2 first (the others resume its checkpoints), then 1 and 3
+        *(_options(2, strategy=knobs) for knobs in ({"topk_ratio": 1.0}, s1, "adamw")),
+        *(_options(2, strategy=knobs, gradient_clip_val=0.05) for knobs in (s1, "adamw")),
+        _options(2, **CHECKPOINTED),
+        _options(2, **SHARDED),
+        *(_options(world, strategy=KNOBS) for world in (1, 3)),
+        *(_options(world, strategy=KNOBS, ckpt_path=str(saved["full"] / "step=4.ckpt")) for world in (1, 3)),
+        *(
+            _options(world, strategy=SHARDED["strategy"], ckpt_path=str(saved["sharded"] / "step=4.ckpt"))
+            for world in (1, 3)
+        ),
+        _options(1, strategy=SHARDED["strategy"], ckpt_path=str(saved["sharded"] / "after.ckpt")),
+    )
+    return fits
 
 
 @pytest.mark.parametrize(
@@ -117,7 +128,7 @@ def _bytes(result: dict, kind: str) -> int:
 
 
 def test_a_full_checkpoint_at_two_ranks_resumes_at_one_and_three_and_under_the_other_optimizers(fits: Fits) -> None:
-    run, two = fits.get(2, strategy=KNOBS, checkpoint_every=4)
+    run, two = fits.get(2, **CHECKPOINTED)
     saved = run / "step=4.ckpt"
     assert saved.is_file()  # one file, gathered to rank 0
     for world in (1, 3):
@@ -134,8 +145,8 @@ def test_a_full_checkpoint_at_two_ranks_resumes_at_one_and_three_and_under_the_o
 
 
 def test_a_sharded_checkpoint_at_two_ranks_resumes_at_one_and_three(fits: Fits) -> None:
-    knobs = {**KNOBS, "checkpoint_format": "sharded"}
-    run, two = fits.get(2, strategy=knobs, checkpoint_every=4, save_after=True)
+    knobs = SHARDED["strategy"]
+    run, two = fits.get(2, **SHARDED)
     saved = run / "step=4.ckpt"
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     _, uninterrupted = fits.get(2, strategy=KNOBS, checkpoint_every=4)
