@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine import ZenFlowEngine, spares
 from lightning_zenflow.engine.ranks import Ranks
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)
@@ -126,9 +126,38 @@ def engine_rank(
     otherwise rank r takes rows r, r + world, ... of it. ``checkpoint_at``: also save the states after that step.
     ``slow_rank``: that rank's worker sleeps 0.3 s before each update (timings differ between the ranks).
     """
+    engine_ranks(rank, world, port, [(config, steps, out, same_batch, checkpoint_at, slow_rank)])
+
+
+def engine_ranks(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
+    """:func:`engine_rank` for several jobs (its arguments after ``port``) one after another in one process group;
+    every engine after the first adopts the host worker the one before it closed (``engine/spares.py``), as engines
+    of a sweep in one process may."""
     import torch.distributed as dist
 
     init_group(rank, world, port)
+    spares.keep_spare_workers(len(jobs) > 1)
+    try:
+        for job in jobs:
+            _train(rank, world, *job)
+    finally:
+        spares.keep_spare_workers(False)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _train(
+    rank: int,
+    world: int,
+    config: dict,
+    steps: int,
+    out: str,
+    same_batch: bool,
+    checkpoint_at: int | None,
+    slow_rank: int | None = None,
+) -> None:
+    import torch.distributed as dist
+
     model, optimizer, engine = start_engine(rank, world, config, host_delay_s=0.3 if rank == slow_rank else 0.0)
     result: dict[str, Any] = {"link": [], "host_bytes": engine.host_bytes()}
     try:
@@ -162,8 +191,6 @@ def engine_rank(
     finally:
         engine.close()
     torch.save(result, pathlib.Path(out) / f"rank{rank}.pt")
-    if world > 1:
-        dist.destroy_process_group()
 
 
 def lanes_rank(

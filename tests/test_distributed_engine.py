@@ -18,29 +18,56 @@ import pathlib
 
 import pytest
 import torch
-from distributed_helpers import SmallNet, batch, engine_rank, load_results, resume_rank, run_ranks
+from distributed_helpers import SmallNet, batch, engine_ranks, load_results, resume_rank, run_ranks
 
 BASE = {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step", "select_interval": 4}
 STEPS = 11  # selections at steps 1 and 6 and 10, a partial window closed by the flush
 CHECKPOINT_AT = 9  # a host update computed and not applied, one step of the next window accumulated
+DEGENERATE = [
+    {"topk_ratio": 1.0, "update_interval": 3, "accumulate_on": "device"},
+    {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False, "accumulate_on": "host"},
+]
+WARM_UPS = ({}, {"full_warm_up_rounds": 3})
+MODES = [{**BASE, "accumulate_on": mode, **warm} for warm in WARM_UPS for mode in ("device", "host")]
+PLANNED = [
+    *((config, world, True, None) for world in (1, 2) for config in MODES),
+    ({**BASE, "accumulate_on": "device"}, 2, False, None),
+    *((config, 2, False, None) for config in DEGENERATE),
+    ({**BASE, "accumulate_on": "host"}, 3, True, None),
+]
+"""(config, world, same_batch, slow_rank) of every run the tests below ask for, but the slow rank's."""
 
 
 class Runs:
-    """Each configuration is run once per test session and shared by the tests that compare it."""
+    """Each configuration is run once per module and shared by the tests that compare it. The first request for a
+    number of ranks runs, in the same processes and one after another, every configuration of that many ranks that
+    :data:`PLANNED` names (one start-up of the ranks per rank count, not per configuration)."""
 
     def __init__(self, root: pathlib.Path) -> None:
         self.root = root
         self.cache: dict[tuple, list[dict]] = {}
 
     def get(self, config: dict, world: int, same_batch: bool = True, slow_rank: int | None = None) -> list[dict]:
-        key = (tuple(sorted(config.items())), world, same_batch, slow_rank)
+        key = _key(config, world, same_batch, slow_rank)
         if key not in self.cache:
-            out = self.root / f"run{len(self.cache)}"
-            out.mkdir()
-            codes = run_ranks(engine_rank, world, config, STEPS, str(out), same_batch, CHECKPOINT_AT, slow_rank)
+            batch = [(config, world, same_batch, slow_rank)]
+            if slow_rank is None:  # timings are the point of a slow rank: it runs alone
+                fitted = {*self.cache, key}
+                batch += [job for job in PLANNED if job[1] == world and _key(*job) not in fitted]
+            outs = []
+            for _ in batch:
+                outs.append(self.root / f"run{len(self.cache) + len(outs)}")
+                outs[-1].mkdir()
+            jobs = [(c, STEPS, str(out), same, CHECKPOINT_AT, slow) for (c, _, same, slow), out in zip(batch, outs)]
+            codes = run_ranks(engine_ranks, world, jobs, timeout_s=60.0 + 30.0 * len(jobs))
             assert codes == [0] * world, f"ranks exited with {codes}"
-            self.cache[key] = load_results(out, world)
+            for job, out in zip(batch, outs):
+                self.cache[_key(*job)] = load_results(out, world)
         return self.cache[key]
+
+
+def _key(config: dict, world: int, same_batch: bool = True, slow_rank: int | None = None) -> tuple:
+    return (tuple(sorted(config.items())), world, same_batch, slow_rank)
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +161,7 @@ def plain_adamw(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"topk_ratio": 1.0, "update_interval": 3, "accumulate_on": "device"},
-        {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False, "accumulate_on": "host"},
-    ],
-    ids=["rho1", "rho0-S1-sync"],
-)
+@pytest.mark.parametrize("config", DEGENERATE, ids=["rho1", "rho0-S1-sync"])
 def test_degenerate_cases_equal_adamw_at_two_ranks(runs: Runs, config: dict) -> None:
     two = runs.get(config, 2, same_batch=False)
     expected = plain_adamw(STEPS)
