@@ -108,29 +108,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(12, 12, generator=generator), torch.randn(12, 4, generator=generator)
 
 
-def engine_rank(
-    rank: int,
-    world: int,
-    port: int,
-    config: dict,
-    steps: int,
-    out: str,
-    same_batch: bool,
-    checkpoint_at: int | None,
-    slow_rank: int | None = None,
-) -> None:
-    """One rank: train :class:`SmallNet` with the engine, gradients averaged over the ranks (as DDP does); write
-    the weights, the consolidated states and the per-rank host and link bytes to ``out/rank{rank}.pt``.
-
-    ``same_batch``: every rank sees the whole batch (gradients then equal the one-rank run's bit for bit);
-    otherwise rank r takes rows r, r + world, ... of it. ``checkpoint_at``: also save the states after that step.
-    ``slow_rank``: that rank's worker sleeps 0.3 s before each update (timings differ between the ranks).
-    """
-    engine_ranks(rank, world, port, [(config, steps, out, same_batch, checkpoint_at, slow_rank)])
-
-
 def engine_ranks(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
-    """:func:`engine_rank` for several jobs (its arguments after ``port``) one after another in one process group;
+    """Run every job (the arguments of :func:`_train` after ``world``) one after another in one process group;
     every engine after the first adopts the host worker the one before it closed (``engine/spares.py``), as engines
     of a sweep in one process may."""
     import torch.distributed as dist
@@ -156,6 +135,13 @@ def _train(
     checkpoint_at: int | None,
     slow_rank: int | None = None,
 ) -> None:
+    """One rank: train :class:`SmallNet` with the engine, gradients averaged over the ranks (as DDP does); write
+    the weights, the consolidated states and the per-rank host and link bytes to ``out/rank{rank}.pt``.
+
+    ``same_batch``: every rank sees the whole batch (gradients then equal the one-rank run's bit for bit);
+    otherwise rank r takes rows r, r + world, ... of it. ``checkpoint_at``: also save the states after that step.
+    ``slow_rank``: that rank's worker sleeps 0.3 s before each update (timings differ between the ranks).
+    """
     import torch.distributed as dist
 
     model, optimizer, engine = start_engine(rank, world, config, host_delay_s=0.3 if rank == slow_rank else 0.0)

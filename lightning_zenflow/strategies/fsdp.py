@@ -42,10 +42,10 @@ from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.strategies.base import CHECKPOINT_KEY, COLLECTIVE_TIMEOUT, ZenFlowStrategyBase, zenflow_knobs
 from lightning_zenflow.strategies.fsdp_state import (
     ROW_KEYS,
-    _local_vector,
     consolidate,
     local_row_state,
     local_torch_state,
+    local_vector,
 )
 from lightning_zenflow.strategies.sharded import save_sharded
 
@@ -370,7 +370,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
                     # a vector as this rank's rows: a whole one (a data-parallel directory) is cut to them
                     entry = {
                         key: (
-                            _local_vector(value, shapes[name], local_shapes[name], ranks) if key in ROW_KEYS else value
+                            local_vector(value, shapes[name], local_shapes[name], ranks) if key in ROW_KEYS else value
                         )
                         for key, value in entry.items()
                     }

@@ -62,7 +62,7 @@ def consolidate(
     return {"state": torch_state, "param_groups": param_groups}, state
 
 
-def _local_vector(
+def local_vector(
     value: torch.Tensor, shape: tuple[int, ...], local_shape: tuple[int, ...], ranks: Ranks
 ) -> torch.Tensor:
     rows = shape[0] if shape else 1
