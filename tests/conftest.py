@@ -97,24 +97,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 SPARE_WORKER_MODULES = frozenset(
     {
+        "test_benchmarks",
         "test_engine_degenerate",
         "test_engine_determinism",
         "test_engine_modes",
+        "test_engine_profiler",
         "test_engine_reference",
         "test_engine_resume",
+        "test_integrations",
         "test_interim",
         "test_lanes",
+        "test_layout_selection",
         "test_lightning_checkpoint",
+        "test_lightning_ddp",
         "test_lightning_equivalence",
+        "test_lightning_fsdp",
         "test_lightning_precision",
         "test_lightning_surface",
+        "test_lightning_telemetry",
         "test_lightning_validation",
         "test_rule_variants",
     }
 )
 """Modules whose engines may adopt a closed engine's host worker (``engine/spares.py``) instead of spawning one: they
-check numbers, not process lifecycles. Every other module (faults, teardown, the worker protocol, data parallel) runs
-with fresh workers and no spares, as a user's process does by default."""
+check numbers, not process lifecycles (the data-parallel and FSDP2 modules' multi-rank fits run in scripts, whose
+batches keep spares of their own). Every other module (faults, teardown, the worker protocol, the optimizer facade's
+lifecycle) runs with fresh workers and no spares, as a user's process does by default."""
 
 
 @pytest.fixture(autouse=True)

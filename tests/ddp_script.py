@@ -6,8 +6,8 @@
 Every rank writes ``OUT_DIR/rank{global_rank}.pt`` after the fit: its final weights, its engine's host bytes
 and link bytes, its worker's pid. Options (JSON): ``accelerator`` (default ``"cpu"``), ``devices``, ``strategy``
 (knobs of ``ZenFlowStrategy``, or ``"adamw"`` for Lightning's plain DDP/single-device AdamW), ``batch_size``,
-``max_steps``, ``accumulate_grad_batches``, ``ckpt_path`` (resume), ``checkpoint_every`` (Lightning's
-ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at`` (the worker of rank
+``max_steps``, ``max_epochs`` (default 100), ``accumulate_grad_batches``, ``ckpt_path`` (resume), ``checkpoint_every``
+(Lightning's ModelCheckpoint writes ``OUT_DIR/step=N.ckpt`` every N steps), ``kill_worker_at`` (the worker of rank
 ``fault_rank``, default 1, is killed at that step), ``fail_at`` (that rank raises at that step), ``save_after``
 (``trainer.save_checkpoint(OUT_DIR/after.ckpt)`` once the fit has ended), ``fsdp`` (the module applies FSDP2's
 ``fully_shard`` in ``configure_model``; the strategy is ``ZenFlowFSDPStrategy``, or Lightning's
@@ -103,6 +103,7 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 import lightning_zenflow  # noqa: E402
+from lightning_zenflow.engine import spares  # noqa: E402
 
 
 class Record(Callback):
@@ -117,6 +118,8 @@ class Record(Callback):
         self.device_bytes: dict[str, int] = {}
 
     def on_train_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        # what Ctrl-C will do here (the Ctrl-C test checks it before it signals): an inherited SIG_IGN would ignore it
+        (self.out / f"sigint{trainer.global_rank}.txt").write_text(repr(signal.getsignal(signal.SIGINT)))
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             self.worker_pid = engine.worker_pid
@@ -192,7 +195,7 @@ def fit(out: pathlib.Path, options: dict) -> None:
         max_steps=options.get("max_steps", 8),
         accumulate_grad_batches=options.get("accumulate_grad_batches", 1),
         gradient_clip_val=options.get("gradient_clip_val"),
-        max_epochs=100,
+        max_epochs=options.get("max_epochs", 100),
         logger=False,
         enable_checkpointing=bool(options.get("checkpoint_every")),
         enable_progress_bar=False,
@@ -221,11 +224,18 @@ def fit(out: pathlib.Path, options: dict) -> None:
 
 def main() -> None:
     """One fit, or with ``{"batch": [[OUT_DIR, OPTIONS], ...]}`` several one after another in the same processes (one
-    launch, one process group: Lightning launches the ranks at the first fit and reuses them for the others)."""
+    launch, one process group: Lightning launches the ranks at the first fit and reuses them for the others; each fit's
+    engine adopts the host worker of the fit before)."""
     out, options = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
-    for path, each in options.get("batch", [[str(out), options]]):
-        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
-        fit(pathlib.Path(path), each)
+    runs = options.get("batch", [[str(out), options]])
+    # every fit after the first adopts the host worker the one before it closed (engine/spares.py)
+    spares.keep_spare_workers(len(runs) > 1)
+    try:
+        for path, each in runs:
+            pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+            fit(pathlib.Path(path), each)
+    finally:
+        spares.keep_spare_workers(False)
 
 
 if __name__ == "__main__":

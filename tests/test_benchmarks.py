@@ -1,14 +1,20 @@
 """The benchmark scripts run in ``--quick`` mode, print their tables and write well-formed JSON (CPU, ~1-2 min).
 
-Each script runs in a subprocess, as a user runs it (``python benchmarks/x.py --quick --out ...``): the scripts spawn
-the host worker, so they need their own ``__main__``. Timings are not checked (the machine may be busy), only that every
-number the report is built from is there, finite and positive, and that the accounting is self-consistent.
+Each script's ``main`` runs in this process with the arguments a user types (``python benchmarks/x.py --quick --out
+...``): the script pays no second import of torch and Lightning, and its host workers and ranks are spawned as a user's
+run spawns them. One test runs a script as a user does, from the command line, for its error message. Timings are not
+checked (the machine may be busy), only that every number the report is built from is there, finite and positive, and
+that the accounting is self-consistent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -24,18 +30,31 @@ TIMEOUT_S = 300
 pytestmark = pytest.mark.slow
 
 
+def run_main(script: str, *argv: str) -> tuple[int, str]:
+    """``benchmarks/<script>.py`` as ``python benchmarks/<script>.py *argv`` runs it, but in this process: its exit code
+    and what it printed. The process's torch threads, random state and working directory are restored after."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))  # where the scripts find bench_utils and their other siblings
+    module = importlib.import_module(script)
+    threads, rng, cwd = torch.get_num_threads(), torch.get_rng_state(), os.getcwd()
+    printed = io.StringIO()
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(printed):
+            code = module.main(list(argv))
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+    return code, printed.getvalue()
+
+
 def run_quick(script: str, tmp_path: pathlib.Path, *extra: str) -> tuple[str, dict[str, Any], pathlib.Path]:
     out = tmp_path / f"{script}.json"
-    process = subprocess.run(
-        [sys.executable, str(BENCHMARKS / f"{script}.py"), "--quick", "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=ROOT,
-    )
-    assert process.returncode == 0, f"{script} failed:\n{process.stdout[-4000:]}\n{process.stderr[-4000:]}"
+    code, stdout = run_main(script, "--quick", "--out", str(out), *extra)
+    assert code == 0, f"{script} failed:\n{stdout[-4000:]}"
     assert out.exists(), f"{script} wrote no JSON at {out}"
-    return process.stdout, json.loads(out.read_text()), out
+    return stdout, json.loads(out.read_text()), out
 
 
 def positive(value: Any) -> bool:
@@ -248,32 +267,25 @@ def test_gpu_stall_cpu_smoke(tmp_path: pathlib.Path) -> None:
     """``gpu_stall.py --device cpu --quick``, both accumulation modes: one JSON line per row, traffic per the cost
     model (about 10 s; the GPU sizes run in scripts/gpu_checks.sh)."""
     out = tmp_path / "gpu_stall.jsonl"
-    process = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "gpu_stall.py"),
-            "--device",
-            "cpu",
-            "--quick",
-            "--configs",
-            "zenflow-device",
-            "zenflow-host",
-            "--compute-ms",
-            "1",
-            "--warmup-steps",
-            "4",
-            "--steps",
-            "4",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=ROOT,
+    code, stdout = run_main(
+        "gpu_stall",
+        "--device",
+        "cpu",
+        "--quick",
+        "--configs",
+        "zenflow-device",
+        "zenflow-host",
+        "--compute-ms",
+        "1",
+        "--warmup-steps",
+        "4",
+        "--steps",
+        "4",
+        "--out",
+        str(out),
     )
-    assert process.returncode == 0, f"gpu_stall failed:\n{process.stdout[-4000:]}\n{process.stderr[-4000:]}"
-    assert "stall %" in process.stdout
+    assert code == 0, f"gpu_stall failed:\n{stdout[-4000:]}"
+    assert "stall %" in stdout
     header, *rows, footer = [json.loads(line) for line in out.read_text().splitlines()]
     assert header["kind"] == "header"
     check_machine(header["machine"])

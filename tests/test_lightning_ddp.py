@@ -236,8 +236,11 @@ def test_a_fault_on_one_rank_ends_every_rank(tmp_path: pathlib.Path, fault: str,
 
 def test_ctrl_c_ends_every_rank(tmp_path: pathlib.Path) -> None:
     env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
-    options = json.dumps({"devices": 2, "strategy": KNOBS, "max_steps": 100000})
-    # its own session: Ctrl-C in a terminal signals the whole foreground process group, as killpg does here
+    # a fit far longer than the test waits: only the interrupt can end it
+    options = json.dumps({"devices": 2, "strategy": KNOBS, "max_steps": 10**6, "max_epochs": 10**6})
+    # its own session: Ctrl-C in a terminal signals the whole foreground process group, as killpg does here. A shell
+    # starts a foreground job with SIGINT at its default; the test process may pass it on ignored (an ignored signal
+    # survives exec), and then the script would train on through the Ctrl-C, so the child resets it first
     process = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(tmp_path), options],
         env=env,
@@ -245,21 +248,31 @@ def test_ctrl_c_ends_every_rank(tmp_path: pathlib.Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    stderr = ""
     try:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"worker{rank}.pid").exists() for rank in range(2)):
             assert process.poll() is None, process.stderr.read() if process.stderr else ""
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.2)
+        for rank in range(2):  # Ctrl-C raises KeyboardInterrupt in every rank (no inherited SIG_IGN)
+            assert (tmp_path / f"sigint{rank}.txt").read_text() == repr(signal.default_int_handler), rank
         time.sleep(1.0)
         os.killpg(process.pid, signal.SIGINT)
-        process.wait(timeout=90)
+        try:
+            _, stderr = process.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            _, stderr = process.communicate()
+            pytest.fail(f"Ctrl-C did not end the run within 90 s:\n{stderr[-6000:]}")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert process.returncode != 0
+    assert process.returncode != 0, f"the interrupted run exited 0:\n{stderr[-6000:]}"
+    assert not (tmp_path / "rank0.pt").exists(), "the fit ran to its end"
     assert_nothing_left(tmp_path)
 
 
