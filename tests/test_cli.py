@@ -141,16 +141,12 @@ def test_a_missing_base_checkpoint_is_one_line_and_exit_status_2(tmp_path: Path,
     assert f"pretrain_data_path='{missing}' does not exist" in error
 
 
-def test_a_knob_override_on_the_short_form(tmp_path: Path) -> None:
+def test_a_knob_override_on_the_short_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`strategy: zenflow` in the YAML and `--trainer.strategy.topk_ratio=0.2` on the command line (the README's), run
     in this process (the main job's test above runs the console script itself)."""
     command = _readme_command("lightning-zenflow fit --config configs/main.yaml --trainer.strategy.topk_ratio=0.2")
-    cwd = os.getcwd()
-    os.chdir(tmp_path)  # the config's relative folders (the base cache) land in the run's folder, as in a subprocess
-    try:
-        assert main([*command[1:], *SHORT_RUN, f"--trainer.default_root_dir={tmp_path}"]) in (0, None)
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)  # the config's relative folders (the base cache) land in the run's folder
+    assert main([*command[1:], *SHORT_RUN, f"--trainer.default_root_dir={tmp_path}"]) == 0
     saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())  # what the run was built from
     assert saved["trainer"]["strategy"]["class_path"] == STRATEGY_CLASS_PATH
     assert saved["trainer"]["strategy"]["init_args"]["topk_ratio"] == 0.2
