@@ -13,16 +13,17 @@ from lightning_zenflow.engine import spares
 
 
 def spawned_children() -> set[int]:
-    """Pids of this process's children that multiprocessing's ``spawn`` started (the ZenFlow host worker is one),
-    plus any child left as a zombie (exited but never joined).
+    """Pids of the processes this process started through multiprocessing (the ZenFlow host worker is one): its
+    children that ``spawn`` started, those the fork server forked for it (``start_workers_preloaded``), plus any
+    child left as a zombie (exited but never joined).
 
-    The resource tracker that ``spawn`` starts once per session is a child too; it is not a ``spawn_main``
-    process and never a zombie, so it is not counted.
+    The resource tracker that ``spawn`` starts once per session is a child too, and so is the fork server: neither is
+    a ``spawn_main`` process nor a zombie, so neither is counted.
     """
     if not os.path.isdir("/proc"):
         return set()
     me = os.getpid()
-    found = set()
+    table = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -30,14 +31,15 @@ def spawned_children() -> set[int]:
             with open(f"/proc/{entry}/stat") as stat_file:
                 # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
                 state, ppid = stat_file.read().rsplit(")", 1)[1].split()[:2]
-            if int(ppid) != me:
-                continue
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline_file:
-                cmdline = cmdline_file.read()
+                table[int(entry)] = (state, int(ppid), cmdline_file.read())
         except (OSError, ValueError, IndexError):
             continue  # the process ended while we looked
-        if state == "Z" or b"spawn_main" in cmdline:
-            found.add(int(entry))
+    servers = {pid for pid, (_, ppid, cmdline) in table.items() if ppid == me and b"forkserver" in cmdline}
+    found = set()
+    for pid, (state, ppid, cmdline) in table.items():
+        if (ppid == me and (state == "Z" or b"spawn_main" in cmdline)) or ppid in servers:
+            found.add(pid)
     return found
 
 
@@ -125,8 +127,18 @@ batches keep spares of their own). Every other module (faults, teardown, the wor
 lifecycle) runs with fresh workers and no spares, as a user's process does by default."""
 
 
+SPAWNED_WORKER_MODULES = frozenset({"test_host_worker"})
+"""Modules whose host workers are spawned, as a user's process does by default: the worker protocol's tests watch the
+worker as this process's own child (its exit status, its reaping). Every other module's workers, and the engine-only
+ranks of ``distributed_helpers``, start from a fork server that imported them once per test process
+(``spares.start_workers_preloaded``): a start is a fork, not a fresh interpreter importing torch. The tests' scripts,
+their ranks and their workers start as a user's do (spawned)."""
+
+
 @pytest.fixture(autouse=True)
 def spare_workers(request: pytest.FixtureRequest) -> None:
-    """Spare host workers on for the modules in ``SPARE_WORKER_MODULES``, off (and none left) for all others."""
+    """Spare host workers on for the modules in ``SPARE_WORKER_MODULES``, off (and none left) for all others; workers
+    forked from the fork server except in ``SPAWNED_WORKER_MODULES``."""
     name = request.module.__name__.rpartition(".")[2]
     spares.keep_spare_workers(name in SPARE_WORKER_MODULES)
+    spares.start_workers_preloaded(name not in SPAWNED_WORKER_MODULES, also_preload=("distributed_helpers",))

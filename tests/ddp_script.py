@@ -223,10 +223,13 @@ def fit(out: pathlib.Path, options: dict) -> None:
 
 
 def main() -> None:
+    run(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+def run(out: pathlib.Path, options: dict) -> None:
     """One fit, or with ``{"batch": [[OUT_DIR, OPTIONS], ...]}`` several one after another in the same processes (one
     launch, one process group: Lightning launches the ranks at the first fit and reuses them for the others; each fit's
     engine adopts the host worker of the fit before)."""
-    out, options = pathlib.Path(sys.argv[1]), json.loads(sys.argv[2])
     runs = options.get("batch", [[str(out), options]])
     # every fit after the first adopts the host worker the one before it closed (engine/spares.py)
     spares.keep_spare_workers(len(runs) > 1)

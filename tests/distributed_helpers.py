@@ -34,15 +34,21 @@ def free_port() -> int:
 def run_ranks(
     target: Callable[..., None], world: int, *args: Any, timeout_s: float = 120.0, env: dict[str, str] | None = None
 ) -> list[int]:
-    """Run ``target(rank, world, port, *args)`` in ``world`` spawned processes (with ``env`` added to their
-    environment); their exit codes."""
-    context = mp.get_context("spawn")
+    """Run ``target(rank, world, port, *args)`` in ``world`` new processes (with ``env`` added to their
+    environment); their exit codes. The processes start as the host workers do (``spares.start_method()``: forked
+    from the fork server when the test process opted in, else spawned)."""
+    context = mp.get_context(spares.start_method())
     port = free_port()
-    processes = [context.Process(target=target, args=(rank, world, port, *args)) for rank in range(world)]
     saved = dict(os.environ)
     # the ranks run the engine only: skip the package's Lightning import (seconds per rank), as its worker does
     os.environ["LIGHTNING_ZENFLOW_HOST_WORKER"] = "1"
     os.environ.update(env or {})
+    # a forked rank starts with the fork server's environment: it takes this one over first
+    environ = dict(os.environ)
+    processes = [
+        context.Process(target=_in_environment, args=(environ, target, rank, world, port, *args))
+        for rank in range(world)
+    ]
     try:
         for process in processes:
             process.start()
@@ -57,6 +63,12 @@ def run_ranks(
                 process.kill()
                 process.join(10)
     return [process.exitcode for process in processes]
+
+
+def _in_environment(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 def init_group(rank: int, world: int, port: int) -> None:

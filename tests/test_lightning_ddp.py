@@ -1,8 +1,10 @@
 """Data-parallel ZenFlow under Lightning: ``Trainer(strategy="zenflow", devices=2)`` on the CPU (gloo, 2 ranks).
 
-Each two-rank fit runs as a script in a subprocess (``tests/ddp_script.py``): Lightning's subprocess launcher re-runs
-the script for the second rank, every rank writes its results to a file, and the assertions run here. The one-rank
-fits they are compared with run the same script's ``fit`` in this process. Covered: the
+Every rank runs ``tests/ddp_script.py``'s fits and writes its results to a file; the assertions run here. The fits
+that compare numbers start their ranks as a cluster launcher does, forked from a process that imported Lightning
+once (``tests/rank_zygote.py``); the faults, Ctrl-C and the console script run ``ddp_script.py`` as a script, whose
+second rank Lightning's subprocess launcher starts. The one-rank fits they are compared with run the same script's
+``fit`` in this process. Covered: the
 strategy becomes data parallel by name and as an object; 2 ranks with batch b equal 1 rank with batch 2b; the
 degenerate case equals Lightning's AdamW; replicas hold the same weights; each rank holds half the host state and
 copies down half the bytes; a checkpoint written mid-run at 2 ranks resumes at 1 rank as the rest of the run, and
@@ -26,6 +28,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_helpers import assert_weights_close, assert_weights_equal, make_trainer, process_gone
+from rank_zygote import Zygote
 
 SCRIPT = pathlib.Path(__file__).parent / "ddp_script.py"
 KNOBS = {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step", "select_interval": 4}
@@ -54,7 +57,8 @@ def _key(options: dict) -> str:
 class Fits:
     """Each configuration is fitted once per module and shared by the tests that compare it.
 
-    One-rank fits (not FSDP2) run in this process. The others run as scripts, in batches: the first request for a
+    One-rank fits (not FSDP2) run in this process. The others run in forked ranks (``rank_zygote``), in batches: the
+    first request for a
     number of ranks launches it together with every configuration :meth:`plan` named for that many ranks (and the
     same ``fsdp``) that is not fitted yet and whose checkpoint, if it resumes one, exists; the batch runs one fit after
     another in one set of processes, so a module pays the start-up of its ranks once per batch, not once per fit."""
@@ -93,10 +97,14 @@ class Fits:
 
         batch = [options, *(other for other in self.planned if joins(other))]
         out = self.root / f"launch{len(list(self.root.glob('launch*')))}"
-        done = run_script(
-            out, timeout_s=120.0 + 60.0 * len(batch), batch=[[str(self.dir(**each)), each] for each in batch]
+        done = Zygote.run(
+            out,
+            {"batch": [[str(self.dir(**each)), each] for each in batch]},
+            world=int(options.get("devices", 1)),  # type: ignore[arg-type]
+            timeout_s=120.0 + 60.0 * len(batch),
         )
-        assert done.returncode == 0, done.stderr[-3000:]
+        logs = "\n".join(pathlib.Path(log).read_text()[-3000:] for log in done["logs"])
+        assert done["codes"] == [0] * len(done["codes"]), logs
         for each in batch:
             self.cache[_key(each)] = results(self.dir(**each), int(each.get("devices", 1)))
 

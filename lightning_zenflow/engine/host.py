@@ -369,7 +369,7 @@ class HostWorker:
         spec: WorkerSpec | None,
         target: Callable[[multiprocessing.connection.Connection, WorkerSpec], None],
     ) -> None:
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = torch.multiprocessing.get_context(spares.start_method())
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=target, args=(child_conn, spec), name="zenflow-host", daemon=True)
         # the child inherits the environment at start: tell the package's __init__ to skip importing Lightning
