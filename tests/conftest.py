@@ -127,18 +127,16 @@ batches keep spares of their own). Every other module (faults, teardown, the wor
 lifecycle) runs with fresh workers and no spares, as a user's process does by default."""
 
 
-SPAWNED_WORKER_MODULES = frozenset({"test_host_worker"})
-"""Modules whose host workers are spawned, as a user's process does by default: the worker protocol's tests watch the
-worker as this process's own child (its exit status, its reaping). Every other module's workers, and the engine-only
-ranks of ``distributed_helpers``, start from a fork server that imported them once per test process
-(``spares.start_workers_preloaded``): a start is a fork, not a fresh interpreter importing torch. The tests' scripts,
-their ranks and their workers start as a user's do (spawned)."""
-
-
 @pytest.fixture(autouse=True)
 def spare_workers(request: pytest.FixtureRequest) -> None:
-    """Spare host workers on for the modules in ``SPARE_WORKER_MODULES``, off (and none left) for all others; workers
-    forked from the fork server except in ``SPAWNED_WORKER_MODULES``."""
+    """Spare host workers on for the modules in ``SPARE_WORKER_MODULES``, off (and none left) for all others.
+
+    Host workers, and the engine-only ranks of ``distributed_helpers``, start from a fork server that imported them
+    once per test process (``spares.start_workers_preloaded``): a start is a fork, not a fresh interpreter importing
+    torch. Tests marked ``spawned_workers`` spawn theirs, as a user's process does by default: they watch the worker as
+    this process's own child (its exit status, its reaping, its start-up). The tests' scripts, their ranks and their
+    workers start as a user's do (spawned)."""
     name = request.module.__name__.rpartition(".")[2]
     spares.keep_spare_workers(name in SPARE_WORKER_MODULES)
-    spares.start_workers_preloaded(name not in SPAWNED_WORKER_MODULES, also_preload=("distributed_helpers",))
+    spawned = request.node.get_closest_marker("spawned_workers") is not None
+    spares.start_workers_preloaded(not spawned, also_preload=("distributed_helpers",))

@@ -1,11 +1,14 @@
 """The CLI end to end: the README's commands in subprocesses (exit status checked), both YAML forms of the strategy,
-knob overrides, one-line errors for bad knobs, the strategy's --help, and the examples."""
+knob overrides, one-line errors for bad knobs, the strategy's --help, and the examples (run in this process as
+``python examples/<name>`` runs them)."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -13,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_zenflow import ZenFlowConfig, ZenFlowStrategy
@@ -324,27 +328,42 @@ def test_class_path_form_works_with_a_plain_lightning_cli(tmp_path: Path) -> Non
     assert "STRATEGY ZenFlowStrategy 0.25" in result.stdout
 
 
-def test_engine_loop_example(tmp_path: Path) -> None:
-    result = _run([sys.executable, str(ROOT / "examples" / "engine_loop.py"), "--steps", "6"], tmp_path)
-    assert "6 steps in" in result.stdout + result.stderr
+def _run_example(name: str, *argv: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd, caplog) -> str:
+    """``python examples/<name> *argv`` as a user runs it from ``tmp_path``, but in this process (its ``__main__``
+    block, its ``sys.argv``): what it printed and logged (Lightning's messages are log records). The process's torch
+    threads and random state are restored after."""
+    caplog.set_level(logging.INFO)
+    script = ROOT / "examples" / name
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), *argv])
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+    captured = capfd.readouterr()
+    return captured.out + captured.err + caplog.text
 
 
-def test_train_example(tmp_path: Path) -> None:
-    result = _run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "train_zenflow.py"),
-            "--max-steps",
-            "4",
-            "--data",
-            str(ROOT / "README.md"),
-        ],
-        tmp_path,
+def test_engine_loop_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd, caplog) -> None:
+    printed = _run_example(
+        "engine_loop.py", "--steps", "6", tmp_path=tmp_path, monkeypatch=monkeypatch, capfd=capfd, caplog=caplog
     )
-    assert "ZenFlow run summary: 4 optimizer steps" in result.stdout + result.stderr
+    assert "6 steps in" in printed
+
+
+def test_train_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd, caplog) -> None:
+    argv = ("--max-steps", "4", "--data", str(ROOT / "README.md"))
+    printed = _run_example(
+        "train_zenflow.py", *argv, tmp_path=tmp_path, monkeypatch=monkeypatch, capfd=capfd, caplog=caplog
+    )
+    assert "ZenFlow run summary: 4 optimizer steps" in printed
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the transformers extra")
-def test_hugging_face_example(tmp_path: Path) -> None:
-    result = _run([sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--max-steps", "3"], tmp_path)
-    assert "ZenFlow run summary: 3 optimizer steps" in result.stdout + result.stderr
+def test_hugging_face_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd, caplog) -> None:
+    printed = _run_example(
+        "finetune_hf.py", "--max-steps", "3", tmp_path=tmp_path, monkeypatch=monkeypatch, capfd=capfd, caplog=caplog
+    )
+    assert "ZenFlow run summary: 3 optimizer steps" in printed

@@ -186,6 +186,7 @@ def test_start_after_close_says_build_a_new_engine():
         engine.start()
 
 
+@pytest.mark.spawned_workers
 def test_sigkill_of_the_worker_is_detected_within_seconds():
     layer, engine = _tiny_engine(
         ZenFlowConfig(full_warm_up_rounds=0, update_interval=1, overlap_step=True), host_delay_s=0.02
@@ -236,6 +237,7 @@ def _kill_and_wait_until_exited(pid: int) -> None:
     os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
 
 
+@pytest.mark.spawned_workers
 def test_worker_death_seen_as_eof_reports_the_exit_status(monkeypatch):
     layer, engine = _tiny_engine(ZenFlowConfig(full_warm_up_rounds=0, update_interval=1), host_delay_s=5.0)
     pid = engine.worker_pid
@@ -252,6 +254,7 @@ def test_worker_death_seen_as_eof_reports_the_exit_status(monkeypatch):
     _assert_no_worker_left(pid)
 
 
+@pytest.mark.spawned_workers
 def test_worker_death_seen_at_submit_is_a_host_worker_error(monkeypatch):
     layer, engine = _tiny_engine(ZenFlowConfig(full_warm_up_rounds=0, update_interval=1))
     pid = engine.worker_pid
@@ -433,6 +436,7 @@ def test_auto_interval_with_the_default_warm_up_decides_during_the_warm_up() -> 
 
 
 # ------------------------------------------------------------------------------ fixed S and core binding
+@pytest.mark.spawned_workers
 def test_fixed_update_interval_is_reported_and_bind_cores_off_leaves_affinity():
     affinity_before = os.sched_getaffinity(0)
     config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=3, overlap_step=False, bind_cores=False)
@@ -452,6 +456,7 @@ def test_fixed_update_interval_is_reported_and_bind_cores_off_leaves_affinity():
     assert os.sched_getaffinity(0) == affinity_before
 
 
+@pytest.mark.spawned_workers
 def test_bind_cores_pins_both_sides_and_close_restores():
     affinity_before = os.sched_getaffinity(0)
     if len(affinity_before) < 2:
@@ -499,6 +504,7 @@ def _children() -> set[int]:
     return {child.pid for child in multiprocessing.active_children()}
 
 
+@pytest.mark.spawned_workers
 @pytest.mark.parametrize(
     ("target", "start_timeout_s", "message"),
     [
@@ -526,6 +532,7 @@ def test_an_answer_to_the_wrong_update_is_a_protocol_error():
     assert worker.process is None
 
 
+@pytest.mark.spawned_workers
 def test_a_worker_that_exits_mid_update_is_reported_with_its_exit_status():
     worker = HostWorker(_spec(), timeout_s=10.0, target=worker_fakes.exits_on_update)
     try:
