@@ -608,3 +608,39 @@ def test_a_spare_worker_serves_the_next_engine_with_the_same_numbers() -> None:
     finally:
         spares.keep_spare_workers(False)
     assert spares.spare_worker_pids() == []
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat_file:
+        return int(stat_file.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.spawned_workers
+def test_a_worker_forked_from_the_preloaded_server_computes_what_a_spawned_one_does() -> None:
+    """``start_workers_preloaded``: the worker is forked by the fork server (its child, with the server's command
+    line: no new interpreter), gives the same numbers bitwise, and leaves no process behind at close."""
+    config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=2, topk_ratio=0.25)
+    spawned, spawned_pid, _ = _run_to_weights(config, steps=6)
+    _assert_no_worker_left(spawned_pid)
+    assert spares.start_method() == "spawn"
+    spares.start_workers_preloaded(True)
+    try:
+        assert spares.start_method() == "forkserver"
+        layer, engine = _tiny_engine(config)
+        try:
+            forked_pid = engine.worker_pid
+            server = _parent_of(forked_pid)
+            assert server != os.getpid(), "the worker is this process's child: it was spawned, not forked"
+            with open(f"/proc/{forked_pid}/cmdline", "rb") as cmdline:
+                assert b"forkserver" in cmdline.read(), "the worker runs a command line of its own"
+            assert _parent_of(server) == os.getpid()
+        finally:
+            engine.close()
+        _assert_no_worker_left(forked_pid)
+        forked, second_pid, _ = _run_to_weights(config, steps=6)
+        assert second_pid != forked_pid
+        assert torch.equal(forked, spawned)
+        _assert_no_worker_left(second_pid)
+    finally:
+        spares.start_workers_preloaded(False)
+    assert spares.start_method() == "spawn"
