@@ -553,7 +553,14 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # a caller in the same process (a test) gets its handler back
+
+
+def _main(args: Any) -> int:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     compute = ComputeStandIn(device, args.compute_ms).calibrate()

@@ -66,6 +66,13 @@ class ZenFlowConfig:
     matrices (``32-true`` or a ``*-mixed`` precision) and AdamW-style weight decay. ``"auto"``: 1 where those hold
     and S > 1, else 0. Device cost: O(rows + columns) fp32 per matrix, a few passes over the host gradient a step."""
 
+    interim_kernel: Literal["auto", "compiled", "eager"] = "auto"
+    """How the interim moves' elementwise passes run: ``"compiled"`` builds each with ``torch.compile`` into one fused
+    kernel (C++ on a CPU, which needs a C++ compiler; Triton on CUDA), ``"eager"`` runs the same functions as about
+    ten separate passes with temporaries. ``"auto"``: compiled where a compiler is found, else eager with a warning
+    (the environment variable ``LIGHTNING_ZENFLOW_KERNELS=eager|compiled`` overrides it). The first step with moves
+    builds the kernels (seconds; cached on disk by torch for later runs)."""
+
     accumulate_on: Literal["auto", "device", "host"] = "auto"
     """Where the window's unselected gradient columns are summed. ``"device"``: an fp32 accumulator on the
     device, copied down once per window (least link traffic, no model-sized host work per step). ``"host"``:
@@ -177,6 +184,11 @@ class ZenFlowConfig:
             raise ValueError(
                 f"interim_step={self.interim_step} is outside [0, 4]: 0 is the paper's rule, 1 moves the host columns "
                 "about as far between host updates as AdamW would (docs/update_rule.md)."
+            )
+        if self.interim_kernel not in ("auto", "compiled", "eager"):
+            raise ValueError(
+                f"interim_kernel={self.interim_kernel!r} is not one of 'auto', 'compiled', 'eager'. Use 'auto' (compiled "
+                "where a compiler is found), 'compiled' (fail if none is) or 'eager' (never compile)."
             )
         if self.accumulate_on not in ("auto", "device", "host"):
             raise ValueError(

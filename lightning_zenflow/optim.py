@@ -83,6 +83,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         land_after: int | None = None,
         overlap_after: int = 0,
         interim_step: float | Literal["auto"] = "auto",
+        interim_kernel: Literal["auto", "compiled", "eager"] = "auto",
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         importance: Literal["l2", "l1"] = "l2",
         host_threads: int | None = None,

@@ -10,6 +10,11 @@ import signal
 import pytest
 
 from lightning_zenflow.engine import spares
+from lightning_zenflow.engine.kernels import KERNELS_ENV
+
+# The interim moves run eagerly in the suite (the same functions; building compiled kernels takes seconds per
+# process and per rank). tests/test_kernels.py checks the compiled kernels against these, and the rule.
+os.environ.setdefault(KERNELS_ENV, "eager")
 
 
 def spawned_children() -> set[int]:

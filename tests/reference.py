@@ -142,7 +142,7 @@ class _Matrix:
         # interim_step: the factored second-moment estimate of the host columns' gradients
         self.interim_row = torch.zeros(self.rows)
         self.interim_col = torch.zeros(self.cols)
-        self.interim_count = torch.zeros(())
+        self.interim_decay = torch.ones(())
 
     def grad2d(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return None if grad is None else grad.detach().float().reshape(self.rows, self.cols)
@@ -210,24 +210,28 @@ class _Matrix:
         self.window_grads = 0
         return ran
 
-    def interim_move(self, grad2d: torch.Tensor, hp: RefHyperParams, coefficient: float) -> None:
-        """``interim_step``: update the factored estimate with the host columns of this gradient, then move the
-        weights of those columns by ``-coefficient * clip(g / denom, -1, 1)`` (docs/update_rule.md)."""
+    def interim_move(
+        self, grad2d: torch.Tensor, hp: RefHyperParams, coefficient: float, first_in_window: bool, interval: int
+    ) -> None:
+        """``interim_step``: at a window's first step, update the factored estimate with the host columns of this
+        gradient (decay ``beta2 ** S``); then move the weights of those columns by
+        ``-coefficient * clip(g / denom, -1, 1)`` (docs/update_rule.md)."""
         host = (~self.selected).nonzero().flatten()
         if host.numel() == 0:
             return
         g = grad2d[:, host]
-        squared = g * g
-        self.interim_row = self.interim_row * hp.beta2 + squared.mean(dim=1) * (1.0 - hp.beta2)
-        self.interim_col[host] = self.interim_col[host] * hp.beta2 + squared.mean(dim=0) * (1.0 - hp.beta2)
-        self.interim_count = self.interim_count + 1.0
-        if coefficient == 0.0:
+        if first_in_window:
+            beta = hp.beta2**interval
+            squared = g * g
+            self.interim_row = self.interim_row * beta + squared.mean(dim=1) * (1.0 - beta)
+            self.interim_col[host] = self.interim_col[host] * beta + squared.mean(dim=0) * (1.0 - beta)
+            self.interim_decay = self.interim_decay * beta
+        if coefficient == 0.0 or float(self.interim_decay) == 1.0:
             return
-        correction = 1.0 - torch.pow(hp.beta2, self.interim_count)
-        row_hat = self.interim_row / correction
-        col_hat = self.interim_col[host] / correction
-        row_scale = torch.sqrt(row_hat / torch.clamp(row_hat.mean(), min=1e-30))
-        denom = row_scale[:, None] * torch.sqrt(col_hat)[None, :] + hp.eps
+        correction = 1.0 - self.interim_decay
+        row_scale = torch.sqrt(self.interim_row / torch.clamp(self.interim_row.mean(), min=1e-30))
+        col_scale = torch.sqrt(self.interim_col[host] / correction)
+        denom = row_scale[:, None] * col_scale[None, :] + hp.eps
         move = torch.clamp(g / denom, -1.0, 1.0) * (-coefficient)
         self.shown[:, host] = self.shown[:, host] + move
 
@@ -381,7 +385,8 @@ class ReferenceZenFlow:
             matrix.accumulate(grad2d)
             if self.interim:
                 hp = hparams[matrix.group]
-                matrix.interim_move(grad2d, hp, self.interim_step * hp.lr * (self.interval - 1) / self.interval)
+                coefficient = self.interim_step * hp.lr * (self.interval - 1) / self.interval
+                matrix.interim_move(grad2d, hp, coefficient, self.steps_in_window == 0, self.interval)
         self.steps_in_window += 1
         if self.pending is not None and self.land_at == self.t:
             self.sync()  # land_after: shown L steps after its window closed

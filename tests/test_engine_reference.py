@@ -231,9 +231,9 @@ def _assert_state(engine: ZenFlowEngine, opt: torch.optim.Optimizer, params: dic
             for key, expected in (
                 ("interim_row", matrix.interim_row),
                 ("interim_col", matrix.interim_col),
-                ("interim_count", matrix.interim_count),
+                ("interim_decay", matrix.interim_decay),
             ):
-                if matrix.interim_count > 0:
+                if matrix.interim_decay < 1:
                     got = saved[matrix.name][key]
                     torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, msg=f"{key} {matrix.name} {where}")
     torch_state = engine.torch_state_dict()["state"]
@@ -355,7 +355,7 @@ def test_interim_step_equals_reference(case: Case) -> None:
     lands, in the engine as in the reference (both accumulation modes, warm-up, refresh and migration, land_after)."""
     history, ref = _run_against_reference(case)
     assert sum(stats.window_end for stats, _ in history) >= 3
-    assert all(m.interim_count > 0 for m in ref.matrices if m.name != "sparse.weight" and not m.selected.all())
+    assert all(m.interim_decay < 1 for m in ref.matrices if m.name != "sparse.weight" and not m.selected.all())
 
 
 def test_land_after_at_the_window_length_is_the_paper_rule() -> None:

@@ -154,10 +154,11 @@ def test_a_step_in_flight_lands_the_same_under_another_rule(knobs: dict) -> None
         torch.testing.assert_close(got[name], value, atol=1e-7, rtol=1e-6, msg=name)
 
 
-def test_non_fp32_weights_are_refused_at_start() -> None:
-    model = _model().to(torch.bfloat16)
+def test_fp16_weights_are_refused_at_start() -> None:
+    """fp16 weights have no stochastic rounding here (bf16 and fp32 do): refused by name, with the fix."""
+    model = _model().to(torch.float16)
     opt = _optimizer(model)
-    with pytest.raises(UnsupportedSetupError, match="needs fp32 weights.*interim_step=0"):
+    with pytest.raises(UnsupportedSetupError, match="needs fp32 or bf16 weights.*torch.float16.*interim_step=0"):
         _engine(model, opt).start()
 
 
@@ -178,7 +179,9 @@ def test_auto_is_on_where_it_applies_and_off_elsewhere() -> None:
     assert scale(model, _optimizer(model), update_interval=1) == 0.0  # nothing to move between updates
     assert scale(model, _optimizer(model), topk_ratio=1.0) == 0.0  # no host columns
     bf16 = _model().to(torch.bfloat16)
-    assert scale(bf16, _optimizer(bf16)) == 0.0  # bf16 weights: the paper's rule
+    assert scale(bf16, _optimizer(bf16)) == 1.0  # bf16 weights: moves with stochastic rounding
+    fp16 = _model().to(torch.float16)
+    assert scale(fp16, _optimizer(fp16)) == 0.0  # fp16 weights: the paper's rule
     assert scale(model, torch.optim.Adam(model.parameters(), weight_decay=0.1)) == 0.0  # an L2 term
     assert scale(model, torch.optim.Adam(model.parameters())) == 1.0
 

@@ -122,7 +122,7 @@ class ZenFlowEngine(EngineLifecycle):
         if self.interim is not None and not plan.warm_up:
             # before the accumulation: the next forward waits for these weights, not for the accumulation's reads
             with torch.profiler.record_function("zenflow.interim"):
-                self.interim.step(updater.selected, hparams, self.schedule.interval, found_inf)
+                self.interim.step(updater.selected, hparams, self.schedule.interval, found_inf, plan.first_in_window)
                 updater.weights_written()
         with torch.profiler.record_function("zenflow.accumulate"):
             stalled_before = self._accumulation_stall()
@@ -297,7 +297,9 @@ class ZenFlowEngine(EngineLifecycle):
             # a restored update applied before the first step (a sync right after a load): no upload buffers yet,
             # so it goes up from the host as in host mode
             self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, None, self.ranks)
-        self.landing.land(pending, self._worker, self.uploads, self.device_updater)
+        if self.interim is not None:
+            self.uploads.landing_add = self.interim.kernels.landing_add_
+        self.landing.land(pending, self._worker, self.uploads, self.device_updater, seed=self.schedule.t)
         self.schedule.pending = None
 
     def _drain_helper(self) -> None:

@@ -4,53 +4,87 @@ With the paper's rule a host column moves once per window of ``S`` steps, by one
 gradient: it gets about ``1/S`` of AdamW's progress. Here, at every step after warm-up, each weight of an unselected
 column also moves by ``c = interim_step * lr * (S - 1) / S`` times its gradient over an estimate of its RMS, clipped
 to [-1, 1] (a bounded, sign-like step, as Adam's is), so over a window the column travels about as far as ``S`` AdamW
-steps would. The RMS estimate is factored, as Adafactor's: an EMA (the group's ``beta2``) of the mean squared
-gradient per row over the host columns and per column over the rows, bias-corrected with the matrix's own count,
-``denom[i, j] = sqrt(row[i] / mean(row)) * sqrt(col[j]) + eps``: O(rows + cols) fp32 per matrix on the device.
+steps would. The RMS estimate is factored, as Adafactor's: an EMA of the mean squared gradient per row over the host
+columns and per column over the rows, ``denom[i, j] = sqrt(row[i] / mean(row)) * sqrt(col[j] / (1 - decay)) + eps``:
+O(rows + cols) fp32 per matrix on the device. The EMA takes one gradient per window (at the window's first step,
+with ``beta2 ** S``), so its pass over the gradient costs ``1/S`` of one per step (docs/update_rule.md).
 
 The moves are kept: the host's AdamW step is computed from its moments alone (the worker zeroes the master and
 leaves ``-step`` there, see ``GroupJob.step_only``) and *added* when it lands, after the weight decay of its window
-end, ``w <- w * (1 - lr * wd) + (-step)``. The model's fp32 weights are then the masters of the host columns (hence
-fp32 weights only); before each selection the host masters are set from them, so migration moves the right values.
-With ``S = 1`` the moves vanish and the rule is the paper's; ``topk_ratio = 1`` has no host columns.
+end, ``w <- w * (1 - lr * wd) + (-step)``. The model's weights are then the masters of the host columns: fp32, or
+bf16 written with stochastic rounding (``engine/kernels.py``); before each selection the host masters are set from
+them, so migration moves the right values. With ``S = 1`` the moves vanish; ``topk_ratio = 1`` has no host columns.
 
-Cost per step on the device (``docs/performance.md``): about 40 B of traffic per host element with these unfused
-ops, two temporaries of a matrix's host columns at once, on the side lane. No link traffic; no host work.
+Cost per step on the device (``docs/performance.md``): one fused pass, 12 B per element of a matrix with fp32
+weights (6 B with bf16), plus ``8/S`` B (``4/S``) for the statistics; no link traffic, no host work.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine.device import HyperParams, SelectedState
 from lightning_zenflow.engine.errors import UnsupportedSetupError
+from lightning_zenflow.engine.kernels import Kernels
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import GroupLayout
 
-_KEYS = ("interim_row", "interim_col", "interim_count")
+_KEYS = ("interim_row", "interim_col", "interim_decay", "interim_moves")
+MOVED_DTYPES = (torch.float32, torch.bfloat16)
+"""Weight dtypes the moves write: fp32 as is, bf16 with stochastic rounding."""
+_SEED_STRIDE = 40503
+
+
+@dataclass
+class MatrixStatistics:
+    """One matrix's factored second-moment estimate (on the device) and what the moves derive from it."""
+
+    row: torch.Tensor
+    """``[rows]`` fp32: EMA of the mean squared gradient of each row over the host columns."""
+    col: torch.Tensor
+    """``[cols]`` fp32: EMA of the mean squared gradient of each host column over the rows (kept while selected)."""
+    decay: torch.Tensor
+    """fp32 scalar: the product of the EMA's decays so far (1: no statistics yet); bias correction ``1 - decay``."""
+    moves: torch.Tensor
+    """fp32 scalar: the moves made so far (seeds bf16's stochastic rounding)."""
+    salt: int
+    """From the matrix's name: two matrices never draw the same random bits."""
+    host_mask: torch.Tensor | None = None
+    """``[cols]`` fp32, 1 in the host columns of ``mask_of``."""
+    mask_of: torch.Tensor | None = None
+    """The ``unselected`` tensor the mask was built from (a selection replaces it)."""
+    row_scale: torch.Tensor | None = None
+    col_scale: torch.Tensor | None = None
+    move_mask: torch.Tensor | None = None
+    """``host_mask``, zero while there are no statistics: what the move kernel multiplies by."""
 
 
 class InterimMoves:
     """The factored second-moment estimate of every matrix and the per-step move of its host columns."""
 
-    def __init__(self, lanes: Lanes, scale: float) -> None:
+    def __init__(self, lanes: Lanes, scale: float, kernels: Kernels) -> None:
         self.lanes = lanes
         self.scale = float(scale)
-        self._stats: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.kernels = kernels
+        self._stats: dict[str, MatrixStatistics] = {}
 
-    def _stats_of(self, state: SelectedState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _stats_of(self, state: SelectedState) -> MatrixStatistics:
         slot = state.slot
         stats = self._stats.get(slot.name)
         if stats is None:
             device = self.lanes.device
             # allocated and zeroed on the calling thread, before any lane work reads them
-            stats = (
-                torch.zeros(slot.rows, dtype=torch.float32, device=device),
-                torch.zeros(slot.cols, dtype=torch.float32, device=device),
-                torch.zeros((), dtype=torch.float32, device=device),
+            stats = MatrixStatistics(
+                row=torch.zeros(slot.rows, dtype=torch.float32, device=device),
+                col=torch.zeros(slot.cols, dtype=torch.float32, device=device),
+                decay=torch.ones((), dtype=torch.float32, device=device),
+                moves=torch.zeros((), dtype=torch.float32, device=device),
+                salt=zlib.crc32(slot.name.encode()) & 0xFFFF,
             )
             self._stats[slot.name] = stats
         return stats
@@ -61,9 +95,10 @@ class InterimMoves:
         hparams: Sequence[HyperParams],
         interval: int,
         found_inf: torch.Tensor | None,
+        first_in_window: bool,
     ) -> None:
-        """Issue this step's statistics and moves on the side lane (after the device update and the accumulation,
-        which read the same gradients; the moves write only host columns)."""
+        """Issue this step's statistics (at a window's first step) and moves on the side lane (after the device
+        update, which reads the same gradients; the moves write only host columns)."""
         work = []
         for group_states, hp in zip(groups, hparams):
             coefficient = self.scale * hp.lr * (interval - 1) / interval
@@ -72,92 +107,107 @@ class InterimMoves:
                 if grad is None or state.k == state.slot.cols:
                     continue
                 self.lanes.keep_for(grad, self.lanes.side)
-                work.append((state, grad, self._stats_of(state), hp, coefficient))
+                beta = hp.beta2**interval if first_in_window else None
+                work.append((state, grad, self._stats_of(state), beta, hp.eps, coefficient))
         if work:
-            self.lanes.side.run(_moves, work, found_inf)
+            self.lanes.side.run(_moves, self.kernels, work, found_inf)
 
     # ---------------------------------------------------------------------------------------------- state
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
         stats = self._stats.get(name)
         if stats is None:
             return {}
-        return {key: value.detach().cpu().clone() for key, value in zip(_KEYS, stats)}
+        values = (stats.row, stats.col, stats.decay, stats.moves)
+        return {key: value.detach().cpu().clone() for key, value in zip(_KEYS, values)}
 
     def load(self, entry: Mapping[str, object], state: SelectedState) -> None:
-        """Restore :meth:`state_of` (a state without it starts the statistics afresh). Nothing may be in flight."""
-        if "interim_row" not in entry:
+        """Restore :meth:`state_of` (a state without it, or saved by an earlier rule, starts the statistics afresh).
+        Nothing may be in flight."""
+        if "interim_decay" not in entry:
             self._stats.pop(state.slot.name, None)
             return
-        row, col, count = self._stats_of(state)
-        row.copy_(entry["interim_row"])
-        col.copy_(entry["interim_col"])
-        count.copy_(entry["interim_count"])
+        stats = self._stats_of(state)
+        for key, value in zip(_KEYS, (stats.row, stats.col, stats.decay, stats.moves)):
+            value.copy_(entry[key])
+        stats.mask_of = None  # the scales are derived again at the next move
 
     def forget(self) -> None:
         self._stats = {}
 
 
-def factored_moves(
+def _host_mask(stats: MatrixStatistics, unselected: torch.Tensor) -> None:
+    if stats.mask_of is unselected:
+        return
+    mask = torch.zeros_like(stats.col)
+    mask.index_fill_(0, unselected, 1.0)
+    stats.host_mask = mask
+    stats.mask_of = unselected
+    stats.row_scale = None
+
+
+def update_statistics(
+    kernels: Kernels,
     grad2d: torch.Tensor,
-    unselected: torch.Tensor,
-    row: torch.Tensor,
-    col: torch.Tensor,
-    count: torch.Tensor,
-    beta2: float,
-    eps: float,
-    coefficient: float,
-    keep: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Update the statistics with this gradient's host columns (in place) and return the move of those columns,
-    ``[rows, len(unselected)]`` fp32, or None when ``coefficient`` is 0. ``keep`` (16-mixed): a device scalar, 0 when
-    the step overflowed, which then changes nothing."""
-    g = grad2d.index_select(1, unselected).float()
-    squared = g.square()
-    row_mean = squared.mean(dim=1)
-    col_mean = squared.mean(dim=0)
-    del squared  # at most two matrix-sized temporaries at once: g and the denominator
-    new_row = row * beta2 + row_mean * (1.0 - beta2)
-    new_col = col.index_select(0, unselected) * beta2 + col_mean * (1.0 - beta2)
+    stats: MatrixStatistics,
+    host_columns: int,
+    beta: float,
+    keep: torch.Tensor | None,
+) -> None:
+    """The EMA of the factored second moment takes this gradient's host columns (in place); with ``keep`` 0 (a
+    16-mixed overflow) nothing changes."""
+    row_sums, col_sums = kernels.row_col_sums(grad2d, stats.host_mask)
+    new_row = stats.row * beta + row_sums * ((1.0 - beta) / host_columns)
+    new_col = torch.where(stats.host_mask > 0, stats.col * beta + col_sums * ((1.0 - beta) / grad2d.shape[0]), stats.col)
     if keep is None:
-        row.copy_(new_row)
-        col.index_copy_(0, unselected, new_col)
-        count.add_(1.0)
+        stats.row.copy_(new_row)
+        stats.col.copy_(new_col)
+        stats.decay.mul_(beta)
     else:
         kept = keep > 0
-        row.copy_(torch.where(kept, new_row, row))
-        col.index_copy_(0, unselected, torch.where(kept, new_col, col.index_select(0, unselected)))
-        count.add_(keep)
-    if coefficient == 0.0:
-        return None
-    correction = 1.0 - torch.pow(beta2, count)  # a Python base: no host-to-device copy on CUDA
-    row_hat = row / correction
-    col_hat = col.index_select(0, unselected) / correction
-    row_scale = (row_hat / row_hat.mean().clamp_min(1e-30)).sqrt()
-    denom = torch.outer(row_scale, col_hat.sqrt()).add_(eps)
-    move = g.div_(denom).clamp_(-1.0, 1.0).mul_(-coefficient)
-    if keep is not None:
-        move = torch.where(keep > 0, move, torch.zeros_like(move))
-    return move
+        stats.row.copy_(torch.where(kept, new_row, stats.row))
+        stats.col.copy_(torch.where(kept, new_col, stats.col))
+        stats.decay.copy_(torch.where(kept, stats.decay * beta, stats.decay))
+    stats.row_scale = None
 
 
-def _moves(work: list, found_inf: torch.Tensor | None) -> None:
+def derive_scales(stats: MatrixStatistics) -> None:
+    """``row_scale``, ``col_scale`` and ``move_mask`` from the statistics (O(rows + cols), once per window)."""
+    correction = 1.0 - stats.decay
+    stats.row_scale = (stats.row / stats.row.mean().clamp_min(1e-30)).sqrt()
+    stats.col_scale = (stats.col / correction.clamp_min(1e-30)).sqrt()
+    stats.move_mask = stats.host_mask * (correction > 0)
+
+
+def _moves(kernels: Kernels, work: list, found_inf: torch.Tensor | None) -> None:
     keep = None if found_inf is None else 1.0 - found_inf
     with torch.no_grad():
-        for state, grad, (row, col, count), hp, coefficient in work:
+        for state, grad, stats, beta, eps, coefficient in work:
             slot = state.slot
             grad2d = grad.view(slot.rows, slot.cols)
-            move = factored_moves(grad2d, state.unselected, row, col, count, hp.beta2, hp.eps, coefficient, keep)
-            if move is not None:
-                slot.param.data.view(slot.rows, slot.cols).index_add_(1, state.unselected, move)
+            _host_mask(stats, state.unselected)
+            if beta is not None:
+                update_statistics(kernels, grad2d, stats, int(state.unselected.numel()), beta, keep)
+            if coefficient == 0.0:
+                continue
+            if stats.row_scale is None:
+                derive_scales(stats)
+            weight2d = slot.param.data.view(slot.rows, slot.cols)
+            args = (grad2d, weight2d, stats.row_scale, stats.col_scale, stats.move_mask, eps, coefficient, keep)
+            if weight2d.dtype == torch.bfloat16:
+                seed = (stats.moves.to(torch.int64) * _SEED_STRIDE + stats.salt) & 0x7FFFFFFF
+                kernels.moves_bf16_(*args, 0, seed)
+            else:
+                kernels.moves_fp32_(*args)
+            stats.moves.add_(1.0 if keep is None else keep)
 
 
 def resolve_interim_scale(
     config: ZenFlowConfig, layout: Sequence[GroupLayout], hparams: Sequence[HyperParams]
 ) -> float:
-    """``interim_step`` as a number: an explicit one is checked against the model (fp32 weights, AdamW-style decay);
-    ``"auto"`` is 1 where those hold and windows are longer than one step, else 0 (the paper's rule)."""
+    """``interim_step`` as a number: an explicit one is checked against the model (fp32 or bf16 weights, AdamW-style
+    decay); ``"auto"`` is 1 where those hold and windows are longer than one step, else 0 (the paper's rule)."""
     value = config.interim_step
-    odd = sorted({str(s.param.dtype) for g in layout for s in g.matrices if s.param.dtype != torch.float32})
+    odd = sorted({str(s.param.dtype) for g in layout for s in g.matrices if s.param.dtype not in MOVED_DTYPES})
     if value == "auto":
         applies = (
             config.update_interval != 1
@@ -173,8 +223,9 @@ def resolve_interim_scale(
     if odd and config.topk_ratio < 1:
         raise UnsupportedSetupError(
             f"interim_step={config.interim_step} moves the weights of host columns in place, which needs "
-            f"fp32 weights; this model has matrices in {', '.join(odd)}. Train with fp32 weights (precision "
-            "'32-true' or '16-mixed'/'bf16-mixed', which keep them), or set interim_step=0."
+            f"fp32 or bf16 weights; this model has matrices in {', '.join(odd)}. Train with fp32 weights (precision "
+            "'32-true' or '16-mixed'/'bf16-mixed', which keep them) or bf16 ones ('bf16-true'), or set "
+            "interim_step=0."
         )
     return value
 

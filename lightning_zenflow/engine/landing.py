@@ -12,7 +12,8 @@ landing: polled without blocking at every step, awaited at a checkpoint, landed 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -64,6 +65,8 @@ class Uploads:
         """Recorded after the last upload's copy up: its host source (master, staged slot) may be rewritten."""
         self._prefetched: tuple[int, tuple] | None = None
         self.h2d_bytes = 0
+        self.landing_add: Callable[..., None] | None = None
+        """``interim_step``: the kernel that lands a step on bf16 weights (``engine/kernels.py``), set by the engine."""
 
     def _source(self, group_index: int, state: SelectedState, slot: int) -> torch.Tensor:
         host = self.host_buffers[group_index]
@@ -93,10 +96,17 @@ class Uploads:
         lanes.h2d.record(self.source_read)
         self._prefetched = (slot, tuple(tuple(a) for a in active))
 
-    def land(self, slot: int, active: Sequence[Sequence[int]], scales: Sequence[Sequence[float]] | None = None) -> None:
+    def land(
+        self,
+        slot: int,
+        active: Sequence[Sequence[int]],
+        scales: Sequence[Sequence[float]] | None = None,
+        seed: int = 0,
+    ) -> None:
         """Write the update into the parameters, then restore the selected columns from the device masters.
         Issued on the side lane; the compute lane waits for it before the next forward. ``scales``
-        (``interim_step``): per group and active matrix, the weights are scaled by it and the uploaded step is added."""
+        (``interim_step``): per group and active matrix, the weights are scaled by it and the uploaded step is added
+        (bf16 weights with stochastic rounding, seeded by ``seed``, the landing's step)."""
         lanes = self.lanes
         self.prefetch(slot, active)
         # side waits (GPU-side) for the compute lane: callbacks may have read the weights
@@ -120,7 +130,9 @@ class Uploads:
                 if scales is None:
                     copies.append((own_rows, source))
                 else:
-                    copies.append((own_rows, source, scales[group_index][len(copies_in_group)]))
+                    scale = scales[group_index][len(copies_in_group)]
+                    salt = zlib.crc32(state.slot.name.encode()) & 0xFFFF
+                    copies.append((own_rows, source, scale, state.slot.row_start, salt))
                 copies_in_group.append(index)
                 shared.append(param2d)
                 states.append(state)
@@ -128,7 +140,7 @@ class Uploads:
             lanes.side.run(copy_all, copies, lanes.is_cuda)
         else:
             # host mode: each step goes up through a temporary (allocated in the side lane's order)
-            lanes.side.run(add_all, copies, lanes.is_cuda)
+            lanes.side.run(add_all, copies, lanes.is_cuda, self.landing_add, seed)
         if self.buffers_device is None:
             # host mode: the side lane's copies read the host source (the master, or the staged weights)
             lanes.side.record(self.source_read)
@@ -181,11 +193,16 @@ class Landing:
         pending.computed = True
 
     def land(
-        self, pending: PendingUpdate, worker: HostWorker | None, uploads: Uploads, device_updater: DeviceUpdater
+        self,
+        pending: PendingUpdate,
+        worker: HostWorker | None,
+        uploads: Uploads,
+        device_updater: DeviceUpdater,
+        seed: int = 0,
     ) -> None:
         """Apply the host update in flight: its new weights (or steps) into the parameters, on the side lane."""
         self.await_computed(pending, worker)
-        uploads.land(pending.slot, pending.active, pending.scales)
+        uploads.land(pending.slot, pending.active, pending.scales, seed)
         device_updater.weights_written()
         device_updater.end_step()
         self.landings += 1

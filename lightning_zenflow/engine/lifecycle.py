@@ -19,6 +19,7 @@ from lightning_zenflow.engine.accumulate import DeviceAccumulation, HostAccumula
 from lightning_zenflow.engine.device import DeviceUpdater, HyperParams
 from lightning_zenflow.engine.host import HostWorker
 from lightning_zenflow.engine.interim import InterimMoves, resolve_interim_scale
+from lightning_zenflow.engine.kernels import Kernels
 from lightning_zenflow.engine.landing import Landing, Uploads
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers, allocate_host_buffers, build_layout
@@ -131,7 +132,11 @@ class EngineLifecycle:
         ]
         self._pinned: list[tuple[torch.Tensor, int]] = []
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
-        self.interim = InterimMoves(self.lanes, self.interim_scale) if self.interim_scale > 0 else None
+        self.interim = (
+            InterimMoves(self.lanes, self.interim_scale, Kernels(self.config.interim_kernel, self.device))
+            if self.interim_scale > 0
+            else None
+        )
         self.helper = Helper(self.lanes)
         self.window = WindowEnd(self.lanes, self.layout)
         self.landing = Landing(self.helper)

@@ -281,15 +281,26 @@ def _absorb_interim_steps(engine: ZenFlowEngine, pending: object, all_on_device:
 
 def _load_interim(engine: ZenFlowEngine, entries: Mapping[str, Mapping]) -> None:
     """``interim_step``: the moves' statistics by name, and the selected columns' device masters from the weights
-    (which are the masters there; a selection that changed at the load took host values)."""
+    where the weights are the masters: every selected column with fp32 weights; with bf16 weights only the columns
+    that were host columns when the state was saved (the others took their saved fp32 device masters at the
+    migration, which the bf16 weights only round)."""
     if engine.interim is None:
         return
     with torch.no_grad():
         for state in engine.device_updater.matrix_states():
-            engine.interim.load(entries.get(state.slot.name, {}), state)
-            if state.k:
-                weights2d = state.slot.param.detach().view(state.slot.rows, state.slot.cols)
+            entry = entries.get(state.slot.name, {})
+            engine.interim.load(entry, state)
+            if not state.k:
+                continue
+            weights2d = state.slot.param.detach().view(state.slot.rows, state.slot.cols)
+            if weights2d.dtype == torch.float32 or "selected" not in entry:
                 state.master.copy_(weights2d.index_select(1, state.selected))
+                continue
+            was_host = ~torch.isin(state.selected_host, entry["selected"].to(torch.long))
+            if was_host.any():
+                positions = was_host.nonzero().flatten().to(state.master.device)
+                columns = state.selected.index_select(0, positions)
+                state.master.index_copy_(1, positions, weights2d.index_select(1, columns).float())
 
 
 def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:

@@ -152,6 +152,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         land_after: int | None = None,
         overlap_after: int = 0,
         interim_step: float | Literal["auto"] = "auto",
+        interim_kernel: Literal["auto", "compiled", "eager"] = "auto",
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         importance: Literal["l2", "l1"] = "l2",
         sync_on: tuple[str, ...] | list[str] = (),

@@ -40,6 +40,8 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         land_after: with overlap, land the host update this many steps after its window (None: a window later).
         overlap_after: windows closing at steps up to this land at once (the device waits); later ones overlap.
         interim_step: move host columns between host updates (``"auto"``: 1 where it applies; 0: the paper).
+        interim_kernel: the moves' passes ``"compiled"`` (torch.compile, one fused kernel) or ``"eager"``; ``"auto"``
+            compiles where a compiler is found.
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
         sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
@@ -69,6 +71,7 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         land_after: int | None = None,
         overlap_after: int = 0,
         interim_step: float | Literal["auto"] = "auto",
+        interim_kernel: Literal["auto", "compiled", "eager"] = "auto",
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         importance: Literal["l2", "l1"] = "l2",
         sync_on: tuple[str, ...] | list[str] = (),

@@ -1,0 +1,232 @@
+"""The interim moves' elementwise passes, written once in plain torch ops and compiled where a compiler is found.
+
+One Python source serves both devices (DESIGN section 6): ``torch.compile`` turns each function into one fused
+kernel (C++ with OpenMP on a CPU, Triton on CUDA); without a compiler the same functions run eagerly, slower and with
+temporaries, to the same rule (float rounding aside). Cost model, per element of a matrix (``docs/performance.md``):
+
+- :func:`moves_fp32_`: reads the gradient and the weight, writes the weight: 12 B (fp32), 6 B (bf16 gradient and
+  weight, :func:`moves_bf16_`). No temporaries, no gather: host columns are a mask over the whole matrix (the
+  selected columns get a zero move and are restored from their device masters anyway).
+- :func:`row_col_sums`: reads the gradient once (4 B fp32, 2 B bf16), once per window (``engine/interim.py``).
+- :func:`landing_add_`: a landing under interim moves, ``w <- w * scale + step``: reads both, writes the weight.
+
+bf16 weights are written with stochastic rounding: the fp32 result's low 16 bits get a random 16-bit number added
+before they are cut, so the weight rounds up with a probability equal to the part cut off, and its expectation is
+the fp32 value. A move below half a bf16 step would otherwise vanish every time (rounding to nearest). The random
+bits are a hash of the element's index and a seed that the caller derives from the run's position (a matrix's move
+count, a landing's step), so they are the same in eager and compiled code, on every device, after a resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+
+KERNELS_ENV = "LIGHTNING_ZENFLOW_KERNELS"
+"""Overrides ``interim_kernel="auto"``: ``eager`` or ``compiled`` (the test suite runs eager by default)."""
+KERNEL_MODES = ("auto", "compiled", "eager")
+_TILE_ROWS = 16
+"""Column sums add 16-row tiles first: a compiled CPU kernel then walks the rows in memory order."""
+_MASK32 = 0xFFFFFFFF
+_HASH_MULTIPLIER = 0x45D9F3B
+_SEED_MULTIPLIER = 0x9E3779B1
+
+
+# ---------------------------------------------------------------------------------------------- the functions
+def row_col_sums(grad2d: torch.Tensor, host_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums of the squared gradient over the host columns: per row ``[rows]`` and per column ``[cols]`` (zero in
+    the columns that are not host-bound), fp32, from one read of the gradient."""
+    rows, cols = grad2d.shape
+    squared = grad2d.float().square() * host_mask
+    if rows < 2 * _TILE_ROWS:  # a small matrix (a second graph when compiled): no tiles
+        return squared.sum(1), squared.sum(0)
+    whole = rows - rows % _TILE_ROWS
+    col_sums = squared[:whole].view(whole // _TILE_ROWS, _TILE_ROWS, cols).sum(1).sum(0) + squared[whole:].sum(0)
+    return squared.sum(1), col_sums
+
+
+def _bounded_move(
+    grad2d: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    host_mask: torch.Tensor,
+    eps: float,
+    coefficient: float,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """``-coefficient * clip(g / (row_scale_i * col_scale_j + eps), -1, 1)`` on the host columns, 0 elsewhere."""
+    ratio = grad2d.float() / (row_scale[:, None] * col_scale[None, :] + eps)
+    move = ratio.clamp(-1.0, 1.0) * (host_mask * -coefficient)[None, :]
+    if keep is not None:
+        move = move * keep
+    return move
+
+
+def moves_fp32_(
+    grad2d: torch.Tensor,
+    weight2d: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    host_mask: torch.Tensor,
+    eps: float,
+    coefficient: float,
+    keep: torch.Tensor | None,
+) -> None:
+    """The move of one step, added to fp32 weights in place."""
+    weight2d.add_(_bounded_move(grad2d, row_scale, col_scale, host_mask, eps, coefficient, keep))
+
+
+def _random_low_bits(shape: tuple[int, int], row_offset: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """16 random bits per element (int32), a hash of the element's global index and ``seed`` (an int64 scalar)."""
+    rows, cols = shape
+    index = torch.arange(rows * cols, device=device, dtype=torch.int64).view(rows, cols) + row_offset * cols
+    x = (index + ((seed * _SEED_MULTIPLIER) & _MASK32)) & _MASK32  # seed < 2**31: the product fits in int64
+    x = ((x ^ (x >> 16)) * _HASH_MULTIPLIER) & _MASK32
+    x = ((x ^ (x >> 16)) * _HASH_MULTIPLIER) & _MASK32
+    x = x ^ (x >> 16)
+    return (x & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round_bf16(value: torch.Tensor, row_offset: int, seed: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[rows, cols]`` to bf16, rounded up with the probability of the part cut off (expectation kept)."""
+    bits = value.view(torch.int32) + _random_low_bits(value.shape, row_offset, seed, value.device)
+    return (bits & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def moves_bf16_(
+    grad2d: torch.Tensor,
+    weight2d: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    host_mask: torch.Tensor,
+    eps: float,
+    coefficient: float,
+    keep: torch.Tensor | None,
+    row_offset: int,
+    seed: torch.Tensor,
+) -> None:
+    """The move of one step, added to bf16 weights in place with stochastic rounding. The selected columns (zero
+    move) keep their bits: a bf16 value in fp32 has zero low bits, and the cut removes what the random bits add."""
+    moved = weight2d.float() + _bounded_move(grad2d, row_scale, col_scale, host_mask, eps, coefficient, keep)
+    weight2d.copy_(stochastic_round_bf16(moved, row_offset, seed))
+
+
+def landing_add_(weight2d: torch.Tensor, step2d: torch.Tensor, scale: float, row_offset: int, seed: torch.Tensor) -> None:
+    """A landing under interim moves, ``w <- w * scale + step`` in place; bf16 weights are rounded stochastically."""
+    landed = weight2d.float() * scale + step2d.float()
+    if weight2d.dtype == torch.bfloat16:
+        weight2d.copy_(stochastic_round_bf16(landed, row_offset, seed))
+    else:
+        weight2d.copy_(landed)
+
+
+# --------------------------------------------------------------------------------------------- compilation
+def compiler_missing(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device`` here, or None when it can."""
+    if device.type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # pragma: no cover - every torch with CUDA has it
+            return "torch.utils._triton is missing"
+        return None if has_triton() else "Triton is not installed (pip install triton)"
+    if device.type == "cpu":
+        import torch._inductor.config as inductor_config
+
+        candidates = inductor_config.cpp.cxx
+        names = [c for c in (candidates if isinstance(candidates, tuple) else (candidates,)) if c]
+        if any(shutil.which(name) for name in names) or os.environ.get("CXX") and shutil.which(os.environ["CXX"]):
+            return None
+        return "no C++ compiler on PATH (install g++, e.g. apt-get install g++)"
+    return f"torch.compile has no backend for {device.type} here"
+
+
+def resolve_kernel_mode(mode: str, device: torch.device) -> tuple[Literal["compiled", "eager"], str | None]:
+    """``interim_kernel`` as used: ``(mode, reason)``. ``"auto"`` takes ``LIGHTNING_ZENFLOW_KERNELS`` when set, else
+    compiles where a compiler is found (the reason for eager otherwise); ``"compiled"`` without one is refused."""
+    if mode == "auto":
+        override = os.environ.get(KERNELS_ENV, "").strip().lower()
+        if override and override not in ("compiled", "eager"):
+            raise ValueError(f"{KERNELS_ENV}={override!r} is not 'compiled' or 'eager'; unset it for the default.")
+        mode = override or "auto"
+    if mode == "eager":
+        return "eager", None
+    missing = compiler_missing(device)
+    if missing is None:
+        return "compiled", None
+    if mode == "compiled":
+        from lightning_zenflow.engine.errors import UnsupportedSetupError
+
+        raise UnsupportedSetupError(
+            f"interim_kernel='compiled' needs torch.compile for {device.type}, but {missing}. Install it, or set "
+            "interim_kernel='eager' (the same rule, slower: about ten passes instead of one)."
+        )
+    return "eager", missing
+
+
+_WARNED: set[str] = set()
+_COMPILE_LOCK = threading.Lock()
+
+
+class Kernels:
+    """The functions above as used by one engine: compiled (``torch.compile``, dynamic shapes, one graph per
+    dtype) or eager. A compiled function that fails to build under ``"auto"`` falls back to eager with a warning."""
+
+    def __init__(self, mode: str, device: torch.device) -> None:
+        self.requested = mode
+        self.mode, reason = resolve_kernel_mode(mode, device)
+        if reason is not None and reason not in _WARNED:
+            _WARNED.add(reason)
+            warnings.warn(
+                f"lightning_zenflow: the interim moves run eagerly (about ten passes over each host gradient "
+                f"instead of one) because {reason}. Install it for the fused kernels, or set interim_kernel='eager' "
+                "to choose this knowingly.",
+                stacklevel=3,
+            )
+        self._compiled: dict[str, Callable] = {}
+        self.row_col_sums = self._wrap(row_col_sums)
+        self.moves_fp32_ = self._wrap(moves_fp32_)
+        self.moves_bf16_ = self._wrap(moves_bf16_)
+        self.landing_add_ = self._wrap(landing_add_)
+
+    def _wrap(self, fn: Callable) -> Callable:
+        if self.mode == "eager":
+            return fn
+        name = fn.__name__
+
+        def call(*args: object) -> object:
+            compiled = self._compiled.get(name)
+            if compiled is not None:
+                return compiled(*args)
+            # the first call builds the kernel: one build at a time in this process (engines on other threads)
+            with _COMPILE_LOCK:
+                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+                try:
+                    result = compiled(*args)
+                except Exception as error:  # noqa: BLE001 - a build failure of any kind falls back under "auto"
+                    if self.requested == "compiled" or not _is_build_failure(error):
+                        raise
+                    warnings.warn(
+                        f"lightning_zenflow: torch.compile failed for {name} ({type(error).__name__}: {error}); the "
+                        "interim moves run eagerly from here on. Set interim_kernel='eager' to skip the attempt.",
+                        stacklevel=2,
+                    )
+                    compiled = fn
+                    result = fn(*args)
+                self._compiled[name] = compiled
+                return result
+
+        return call
+
+
+def _is_build_failure(error: Exception) -> bool:
+    """An error raised while building a kernel (dynamo, inductor, the C++ or Triton compiler), not by the run."""
+    module = type(error).__module__ or ""
+    return module.startswith(("torch._dynamo", "torch._inductor", "triton")) or isinstance(
+        error, (OSError, RuntimeError)
+    ) and ("compile" in str(error).lower() or "inductor" in str(error).lower())
