@@ -80,6 +80,7 @@ MAIN_ROWS = (
     Row(
         "paper", {"full_warm_up_rounds": 0}, "the paper's rule (and DeepSpeed's defaults): the defaults without warm-up"
     ),
+    Row("no-moves", {"interim_step": 0}, "the defaults without interim moves"),
 )
 PAPER = {"full_warm_up_rounds": 0}
 """The ablations change one knob of the paper's rule (measured before the defaults took a warm-up)."""
@@ -156,6 +157,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads of the pre-training (default 1: steady on a shared machine; not part of the cache key).",
     )
     parser.add_argument("--finetune-steps", type=int, default=None, help="default 150 (quick 16).")
+    parser.add_argument(
+        "--weights-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the fine-tunes' weight dtype (the base is fp32). bfloat16: bf16 weights and compute, as 'bf16-true'; "
+        "the reference is then sync-offload (AdamW with fp32 masters), the adamw row plain bf16 AdamW. bf16 matrix "
+        "products are about 100x slower than fp32 on some CPUs: shrink the model (--n-embd 32 --n-layer 2).",
+    )
     parser.add_argument("--finetune-batch", type=int, default=None, help="default 8 (quick 4).")
     parser.add_argument("--finetune-lr", type=float, default=1e-3, help="peak lr (default 1e-3).")
     parser.add_argument("--finetune-warmup", type=int, default=None, help="lr warm-up steps (default 10; quick 2).")
@@ -441,6 +450,7 @@ class Setting:
         torch.manual_seed(seed)
         model = bench_train.demo_gpt(args)
         model.load_state_dict(self.base)
+        model.to(getattr(torch, args.weights_dtype))
         optimizer = make_optimizer(model, args.finetune_lr)
         scheduler = lr_schedule(optimizer, args.finetune_warmup, args.finetune_schedule, args.finetune_steps)
         starts = random_batches(

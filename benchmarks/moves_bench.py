@@ -151,14 +151,15 @@ def pass_times(args: Any) -> dict[str, float]:
                 w = [x.to(dtype) for x in weights]
                 stats = [_statistics(shape, unselected) for shape in shapes]
                 seed = torch.zeros((), dtype=torch.int64)
+                keep = torch.ones(())  # the engine's keep without a loss scaler
 
-                def window(g=g, w=w, stats=stats, kernels=kernels, seed=seed) -> None:
+                def window(g=g, w=w, stats=stats, kernels=kernels, seed=seed, keep=keep) -> None:
                     for step in range(interval):
                         for grad2d, weight2d, st in zip(g, w, stats):
                             if step == 0:
-                                update_statistics(kernels, grad2d, st, int(unselected.numel()), 0.999**interval, None)
+                                update_statistics(kernels, grad2d, st, int(unselected.numel()), 0.999**interval, keep)
                                 derive_scales(st)
-                            args_ = (grad2d, weight2d, st.row_scale, st.col_scale, st.move_mask, 1e-8, 1e-4, None)
+                            args_ = (grad2d, weight2d, st.row_scale, st.col_scale, st.move_mask, 1e-8, 1e-4, keep)
                             if weight2d.dtype == torch.bfloat16:
                                 kernels.moves_bf16_(*args_, 0, seed)
                             else:

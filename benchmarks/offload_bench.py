@@ -7,7 +7,8 @@ One run, one model, one batch sequence, one seed, every configuration in turn:
 - ``sync-offload``  the engine with ``topk_ratio=0, update_interval=1, overlap_step=False`` (ZeRO-Offload semantics:
   every matrix updated on the host at every step, the device waits);
 - ``zenflow``       the engine with its defaults (``topk_ratio=0.1, update_interval=4``, overlap on,
-  ``accumulate_on="auto"``, which takes the device here);
+  ``accumulate_on="auto"``, which takes the device here, interim moves on);
+- ``zenflow no-moves``  the same with ``interim_step=0`` (the paper's rule for the host columns);
 - ``zenflow host``  the same with ``accumulate_on="host"`` (per-step copies down, host adds);
 - ``zenflow rho=... S=...``  a sweep over ``--rhos`` x ``--intervals``;
 - ``torchao-offload`` (CUDA only, when ``torchao`` is importable) torchao's ``CPUOffloadOptimizer``.
@@ -183,6 +184,7 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
             ),
         ),
         Spec("zenflow", "engine", base),
+        Spec("zenflow no-moves", "engine", base.replace(interim_step=0)),
         Spec("zenflow host", "engine", base.replace(accumulate_on="host")),
     ]
     if args.device == "cuda":
@@ -476,6 +478,7 @@ def run_spec(
         "topk_ratio": spec.rho,
         "update_interval": spec.interval,
         "overlap_step": None if spec.config is None else spec.config.overlap_step,
+        "interim_step": None if spec.config is None else spec.config.interim_step,
         "setup_s": setup_s,
         "n_params": n_params,
         "step_s": step_s,

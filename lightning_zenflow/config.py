@@ -60,11 +60,12 @@ class ZenFlowConfig:
     interim_step: float | Literal["auto"] = "auto"
     """Moves the host columns between host updates: at every step after warm-up each weight of an unselected column
     moves by ``interim_step * lr * (S - 1) / S`` times its gradient over a factored (per-row x per-column, Adafactor-
-    style) estimate of its RMS, clipped to [-1, 1], on the device; the host's AdamW step then lands on top (added,
-    not overwritten). It closes most of the gap to AdamW that the window costs (docs/update_rule.md). 0 is the
-    paper's rule (a host column moves only when its host update lands). A number > 0 needs fp32 weights for the
-    matrices (``32-true`` or a ``*-mixed`` precision) and AdamW-style weight decay. ``"auto"``: 1 where those hold
-    and S > 1, else 0. Device cost: O(rows + columns) fp32 per matrix, a few passes over the host gradient a step."""
+    style) estimate of its RMS taken once per window, clipped to [-1, 1], on the device; the host's AdamW step then
+    lands on top (added, not overwritten). It closes most of the gap to AdamW that the window costs
+    (docs/update_rule.md). 0 is the paper's rule (a host column moves only when its host update lands). A number > 0
+    needs fp32 or bf16 weights for the matrices (bf16 ones are written with stochastic rounding) and AdamW-style
+    weight decay. ``"auto"``: 1 where those hold and S > 1, else 0. Device cost: one fused pass, about 13 B per
+    matrix element a step with fp32 weights, 6.5 B with bf16 (``interim_kernel``); O(rows + columns) fp32 of state."""
 
     interim_kernel: Literal["auto", "compiled", "eager"] = "auto"
     """How the interim moves' elementwise passes run: ``"compiled"`` builds each with ``torch.compile`` into one fused

@@ -80,7 +80,7 @@ def test_offload_bench_quick(tmp_path: pathlib.Path) -> None:
         assert positive(candidate["fwd_bwd_s"])
         assert positive(candidate["adamw_s"])
     configs = {config["name"]: config for config in result["configs"]}
-    assert set(configs) == {"fwd+bwd", "no-offload", "sync-offload", "zenflow", "zenflow host"}
+    assert set(configs) == {"fwd+bwd", "no-offload", "sync-offload", "zenflow", "zenflow no-moves", "zenflow host"}
     for name, config in configs.items():
         summary = config["summary"]
         assert len(config["step_s"]) == result["measured_steps"], name
@@ -99,7 +99,9 @@ def test_offload_bench_quick(tmp_path: pathlib.Path) -> None:
         "device",
         "host",
     ]
-    for name in ("sync-offload", "zenflow", "zenflow host"):
+    assert configs["zenflow"]["interim_step"] == "auto"
+    assert configs["zenflow no-moves"]["interim_step"] == 0
+    for name in ("sync-offload", "zenflow", "zenflow no-moves", "zenflow host"):
         summary = configs[name]["summary"]
         for key in ("pcie_over_model_bytes", "pcie_budget", "host_bytes_per_param", "wall_s"):
             value = summary.get(key, configs[name].get(key))
@@ -117,6 +119,18 @@ def test_offload_bench_quick(tmp_path: pathlib.Path) -> None:
         assert "skipping the plot" in stdout
     else:
         assert out.with_suffix(".png").exists()
+
+
+def test_moves_bench_quick(tmp_path: pathlib.Path) -> None:
+    stdout, result, _ = run_quick("moves_bench", tmp_path)
+    assert "The step" in stdout and "The passes alone" in stdout
+    check_machine(result["machine"])
+    assert set(result["step_ms"]) == {"fwd+bwd", "adamw", "sync-offload", "paper", "defaults", "defaults eager"}
+    for name, times in result["step_ms"].items():
+        assert positive(times["median"]) and positive(times["mean"]), name
+    passes = result["pass_ms"]
+    assert {"fused AdamW step", "moves eager fp32", "moves before (unfused, every step)"} <= set(passes)
+    assert all(positive(value) for value in passes.values())
 
 
 def test_ddp_bench_quick(tmp_path: pathlib.Path) -> None:

@@ -154,6 +154,7 @@ def test_a_build_failure_under_auto_falls_back_to_eager(monkeypatch: pytest.Monk
         return call
 
     monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(kernels_module, "_COMPILED", {})
     kernels = Kernels("auto", CPU)
     x = _inputs(20, 10)
     expected = Kernels("eager", CPU).row_col_sums(x["grad"], x["mask"])
@@ -162,6 +163,7 @@ def test_a_build_failure_under_auto_falls_back_to_eager(monkeypatch: pytest.Monk
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     with pytest.raises(RuntimeError, match="the compiler crashed"):
         Kernels("compiled", CPU).row_col_sums(x["grad"], x["mask"])
+    monkeypatch.setattr(kernels_module, "_COMPILED", {})
 
 
 def _train(kernel: str, dtype: torch.dtype = torch.float32, steps: int = 14) -> dict[str, torch.Tensor]:
@@ -192,12 +194,13 @@ def test_an_engine_with_compiled_kernels_trains_as_the_eager_one() -> None:
 
 @needs_compiler
 def test_bf16_weights_train_with_compiled_moves_close_to_eager_ones() -> None:
-    """bf16 weights with moves: both kernels give the same rule; a flipped rounding now and then (see above) keeps
-    the runs within a few bf16 steps of each other, far closer than either is to the untrained weights."""
+    """bf16 weights with moves: both kernels give the same rule. A flipped rounding now and then (see above; a
+    compiled reduction may also add in another order) is one bf16 step of one weight and then trains on: on average
+    the runs stay far closer to each other than to the untrained weights."""
     eager, compiled = _train("eager", torch.bfloat16), _train("compiled", torch.bfloat16)
     torch.manual_seed(0)
     initial = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 8)).to(torch.bfloat16).state_dict()
     for name, value in eager.items():
-        gap = (compiled[name] - value).abs().max()
-        trained = (value - initial[name].float()).abs().max()
-        assert gap < 0.25 * trained, name
+        gap = (compiled[name] - value).abs().mean()
+        trained = (value - initial[name].float()).abs().mean()
+        assert gap < 0.25 * trained, (name, float(gap), float(trained))

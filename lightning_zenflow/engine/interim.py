@@ -72,6 +72,8 @@ class InterimMoves:
         self.scale = float(scale)
         self.kernels = kernels
         self._stats: dict[str, MatrixStatistics] = {}
+        self._keep_all = torch.ones((), dtype=torch.float32, device=lanes.device)
+        """The kernels' ``keep`` when no step can overflow: one compiled graph whether or not a loss scaler runs."""
 
     def _stats_of(self, state: SelectedState) -> MatrixStatistics:
         slot = state.slot
@@ -110,7 +112,7 @@ class InterimMoves:
                 beta = hp.beta2**interval if first_in_window else None
                 work.append((state, grad, self._stats_of(state), beta, hp.eps, coefficient))
         if work:
-            self.lanes.side.run(_moves, self.kernels, work, found_inf)
+            self.lanes.side.run(_moves, self.kernels, work, found_inf, self._keep_all)
 
     # ---------------------------------------------------------------------------------------------- state
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
@@ -178,8 +180,8 @@ def derive_scales(stats: MatrixStatistics) -> None:
     stats.move_mask = stats.host_mask * (correction > 0)
 
 
-def _moves(kernels: Kernels, work: list, found_inf: torch.Tensor | None) -> None:
-    keep = None if found_inf is None else 1.0 - found_inf
+def _moves(kernels: Kernels, work: list, found_inf: torch.Tensor | None, keep_all: torch.Tensor) -> None:
+    keep = keep_all if found_inf is None else 1.0 - found_inf
     with torch.no_grad():
         for state, grad, stats, beta, eps, coefficient in work:
             slot = state.slot
@@ -198,7 +200,7 @@ def _moves(kernels: Kernels, work: list, found_inf: torch.Tensor | None) -> None
                 kernels.moves_bf16_(*args, 0, seed)
             else:
                 kernels.moves_fp32_(*args)
-            stats.moves.add_(1.0 if keep is None else keep)
+            stats.moves.add_(keep)
 
 
 def resolve_interim_scale(

@@ -13,8 +13,9 @@ temporaries, to the same rule (float rounding aside). Cost model, per element of
 bf16 weights are written with stochastic rounding: the fp32 result's low 16 bits get a random 16-bit number added
 before they are cut, so the weight rounds up with a probability equal to the part cut off, and its expectation is
 the fp32 value. A move below half a bf16 step would otherwise vanish every time (rounding to nearest). The random
-bits are a hash of the element's index and a seed that the caller derives from the run's position (a matrix's move
-count, a landing's step), so they are the same in eager and compiled code, on every device, after a resume.
+bits are a hash of the element's global row and column and a seed that the caller derives from the run's position (a
+matrix's move count, a landing's step), so they are the same in eager and compiled code, on every device, after a
+resume, and under FSDP2's row shards.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ KERNELS_ENV = "LIGHTNING_ZENFLOW_KERNELS"
 KERNEL_MODES = ("auto", "compiled", "eager")
 _TILE_ROWS = 16
 """Column sums add 16-row tiles first: a compiled CPU kernel then walks the rows in memory order."""
-_MASK32 = 0xFFFFFFFF
-_HASH_MULTIPLIER = 0x45D9F3B
-_SEED_MULTIPLIER = 0x9E3779B1
+_ROW_MULTIPLIER = 0x2C1B3C6D
+_COL_MULTIPLIER = 0x297A2D39
+_MIX_MULTIPLIER = 0x5BD1E995
 
 
 # ---------------------------------------------------------------------------------------------- the functions
@@ -83,14 +84,17 @@ def moves_fp32_(
 
 
 def _random_low_bits(shape: tuple[int, int], row_offset: int, seed: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """16 random bits per element (int32), a hash of the element's global index and ``seed`` (an int64 scalar)."""
+    """16 random bits per element (int32): a hash of the element's global row and column and ``seed`` (a scalar
+    below 2**31). int32 arithmetic that wraps on overflow, as torch's integer ops do on every backend (64-bit
+    products cost twice as much on a CPU without 64-bit vector multiplies); ``>>`` is arithmetic on int32, so each
+    shift is masked to act as a logical one."""
     rows, cols = shape
-    index = torch.arange(rows * cols, device=device, dtype=torch.int64).view(rows, cols) + row_offset * cols
-    x = (index + ((seed * _SEED_MULTIPLIER) & _MASK32)) & _MASK32  # seed < 2**31: the product fits in int64
-    x = ((x ^ (x >> 16)) * _HASH_MULTIPLIER) & _MASK32
-    x = ((x ^ (x >> 16)) * _HASH_MULTIPLIER) & _MASK32
-    x = x ^ (x >> 16)
-    return (x & 0xFFFF).to(torch.int32)
+    row = torch.arange(rows, device=device, dtype=torch.int32) + row_offset
+    col = torch.arange(cols, device=device, dtype=torch.int32)
+    x = row[:, None] * _ROW_MULTIPLIER + col[None, :] * _COL_MULTIPLIER + seed.to(torch.int32)
+    x = (x ^ ((x >> 15) & 0x1FFFF)) * _MIX_MULTIPLIER
+    x = (x ^ ((x >> 13) & 0x7FFFF)) * _COL_MULTIPLIER
+    return (x ^ ((x >> 16) & 0xFFFF)) & 0xFFFF
 
 
 def stochastic_round_bf16(value: torch.Tensor, row_offset: int, seed: torch.Tensor) -> torch.Tensor:
@@ -171,11 +175,15 @@ def resolve_kernel_mode(mode: str, device: torch.device) -> tuple[Literal["compi
 
 _WARNED: set[str] = set()
 _COMPILE_LOCK = threading.Lock()
+_COMPILED: dict[str, Callable] = {}
+"""One ``torch.compile`` wrapper per function and process, shared by every engine: dynamo keeps its compiled graphs
+per code object and allows 8 (``recompile_limit``), so engines must not each add their own."""
 
 
 class Kernels:
-    """The functions above as used by one engine: compiled (``torch.compile``, dynamic shapes, one graph per
-    dtype) or eager. A compiled function that fails to build under ``"auto"`` falls back to eager with a warning."""
+    """The functions above as used by one engine: compiled (``torch.compile``, dynamic shapes, one graph per dtype)
+    or eager. Under ``"auto"`` a function that fails to build, or reaches dynamo's recompile limit, runs eagerly
+    from then on (with a warning)."""
 
     def __init__(self, mode: str, device: torch.device) -> None:
         self.requested = mode
@@ -188,7 +196,7 @@ class Kernels:
                 "to choose this knowingly.",
                 stacklevel=3,
             )
-        self._compiled: dict[str, Callable] = {}
+        self._eager_now: set[str] = set()
         self.row_col_sums = self._wrap(row_col_sums)
         self.moves_fp32_ = self._wrap(moves_fp32_)
         self.moves_bf16_ = self._wrap(moves_bf16_)
@@ -200,26 +208,26 @@ class Kernels:
         name = fn.__name__
 
         def call(*args: object) -> object:
-            compiled = self._compiled.get(name)
-            if compiled is not None:
+            if name in self._eager_now:
+                return fn(*args)
+            compiled = _COMPILED.get(name)
+            if compiled is None:
+                with _COMPILE_LOCK:  # one wrapper per process, even with engines on several threads
+                    compiled = _COMPILED.setdefault(name, torch.compile(fn, dynamic=True, fullgraph=True))
+            try:
+                # a call that builds a kernel raises before it runs any of it: nothing is half-written
                 return compiled(*args)
-            # the first call builds the kernel: one build at a time in this process (engines on other threads)
-            with _COMPILE_LOCK:
-                compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-                try:
-                    result = compiled(*args)
-                except Exception as error:  # noqa: BLE001 - a build failure of any kind falls back under "auto"
-                    if self.requested == "compiled" or not _is_build_failure(error):
-                        raise
-                    warnings.warn(
-                        f"lightning_zenflow: torch.compile failed for {name} ({type(error).__name__}: {error}); the "
-                        "interim moves run eagerly from here on. Set interim_kernel='eager' to skip the attempt.",
-                        stacklevel=2,
-                    )
-                    compiled = fn
-                    result = fn(*args)
-                self._compiled[name] = compiled
-                return result
+            except Exception as error:  # noqa: BLE001 - a build failure of any kind falls back under "auto"
+                limit = isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit)
+                if not limit and (self.requested == "compiled" or not _is_build_failure(error)):
+                    raise
+                warnings.warn(
+                    f"lightning_zenflow: torch.compile failed for {name} ({type(error).__name__}: {error}); the "
+                    "interim moves run it eagerly from here on. Set interim_kernel='eager' to skip the attempt.",
+                    stacklevel=2,
+                )
+                self._eager_now.add(name)
+                return fn(*args)
 
         return call
 
