@@ -9,7 +9,8 @@ script's ``fit`` in this process. Covered: the exact settings equal Lightning's 
 2 ranks equal one process on the same global batch (selection is global); each rank's device bytes (weights,
 gradients, ZenFlow's state) and host bytes fall as 1/W; full and sharded checkpoints written at 2 ranks resume at 1
 and 3 ranks as the rest of the run, and the full one under plain AdamW and ZenFlowStrategy; a killed worker on rank 1
-ends both ranks; FSDP1, unsharded models, ``CPUOffloadPolicy`` and interim moves are refused with the fix named.
+ends both ranks; FSDP1, unsharded models and ``CPUOffloadPolicy`` are refused with the fix named. The interim moves
+are on (``"auto"``) in these fits: 2 ranks equal one process with them, and differ from 2 ranks without them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
     fits.plan(  # one launch per number of ranks: 2 first (the others resume its checkpoints), then 1 and 3
         *(_options(2, strategy=knobs) for knobs in ({"topk_ratio": 1.0}, s1, "adamw")),
         *(_options(2, strategy=knobs, gradient_clip_val=0.05) for knobs in (s1, "adamw")),
+        _options(2, strategy={**KNOBS, "interim_step": 0}),
         _options(2, **CHECKPOINTED),
         _options(2, **SHARDED),
         *(_options(world, strategy=KNOBS) for world in (1, 3)),
@@ -89,7 +91,7 @@ def test_clipping_by_norm_takes_the_global_norm_of_the_shards(fits: Fits) -> Non
     _, zenflow = fits.get(2, strategy=exact, gradient_clip_val=0.05)
     _, adamw = fits.get(2, strategy="adamw", gradient_clip_val=0.05)
     _, unclipped = fits.get(2, strategy="adamw")
-    _, one = fits.get(1, fsdp=False, strategy={**exact, "interim_step": 0}, gradient_clip_val=0.05)
+    _, one = fits.get(1, fsdp=False, strategy=exact, gradient_clip_val=0.05)
     assert_weights_close(zenflow[0]["weights"], adamw[0]["weights"], atol=1e-6, rtol=0.0)
     assert_weights_close(zenflow[0]["weights"], one[0]["weights"], atol=1e-6, rtol=1e-5)  # one process: one norm
     differs = max(
@@ -99,12 +101,17 @@ def test_clipping_by_norm_takes_the_global_norm_of_the_shards(fits: Fits) -> Non
 
 
 def test_two_ranks_equal_one_process_on_the_global_batch(fits: Fits) -> None:
-    # one all-reduce of the column scores: both ranks choose what one process chooses from the whole gradient
+    # one all-reduce of the column scores: both ranks choose what one process chooses from the whole gradient; one
+    # all-reduce of the rows' and columns' sums per window: both hold the interim moves' statistics one process holds
     run, two = fits.get(2, strategy=KNOBS, checkpoint_every=4)
-    _, one = fits.get(1, fsdp=False, strategy={**KNOBS, "interim_step": 0})
+    _, one = fits.get(1, fsdp=False, strategy=KNOBS)
     assert one[0]["strategy"] == "ZenFlowStrategy"
     assert two[0]["global_step"] == one[0]["global_step"] == 8
     assert_weights_close(two[0]["weights"], one[0]["weights"], atol=1e-6, rtol=1e-5)
+    # the moves are on in both (a test that they run on the shards, not that they are off everywhere)
+    _, without = fits.get(2, strategy={**KNOBS, "interim_step": 0})
+    moved = max((two[0]["weights"][k] - without[0]["weights"][k]).abs().max().item() for k in without[0]["weights"])
+    assert moved > 1e-4, f"the interim moves changed the weights by {moved:.1e} at most"
 
 
 def test_device_and_host_bytes_per_rank_fall_as_one_over_w(fits: Fits) -> None:
@@ -138,7 +145,7 @@ def test_a_full_checkpoint_at_two_ranks_resumes_at_one_and_three_and_under_the_o
         assert resumed[0]["global_step"] == 8
         assert_weights_close(resumed[0]["weights"], two[0]["weights"], atol=1e-6, rtol=1e-5)
     # the other strategies read it as their own: ZenFlowStrategy as the rest of the run, plain AdamW as AdamW
-    _, single = fits.get(1, fsdp=False, strategy={**KNOBS, "interim_step": 0}, ckpt_path=str(saved))
+    _, single = fits.get(1, fsdp=False, strategy=KNOBS, ckpt_path=str(saved))
     assert single[0]["global_step"] == 8
     assert_weights_close(single[0]["weights"], two[0]["weights"], atol=1e-6, rtol=1e-5)
     _, plain = fits.get(1, fsdp=False, strategy="adamw", ckpt_path=str(saved))
@@ -191,13 +198,12 @@ def test_a_model_zenflow_cannot_shard_is_refused_with_the_fix(tmp_path: pathlib.
     assert not (tmp_path / "rank0.pt").exists()
 
 
-def test_interim_moves_and_other_meshes_are_refused() -> None:
+def test_interim_moves_are_taken_and_other_meshes_are_refused() -> None:
     import lightning_zenflow
 
-    with pytest.raises(MisconfigurationException, match="interim_step=0"):
-        lightning_zenflow.ZenFlowFSDPStrategy(interim_step=0.5)
+    assert lightning_zenflow.ZenFlowFSDPStrategy(interim_step=0.5).zenflow_config.interim_step == 0.5
     assert lightning_zenflow.ZenFlowFSDPStrategy(interim_step=0).zenflow_config.interim_step == 0.0
-    assert lightning_zenflow.ZenFlowFSDPStrategy().zenflow_config.interim_step == 0.0
+    assert lightning_zenflow.ZenFlowFSDPStrategy().zenflow_config.interim_step == "auto"
     strategy = lightning_zenflow.ZenFlowFSDPStrategy(data_parallel_size=1)
     strategy.parallel_devices = [torch.device("cpu")] * 2  # what the trainer sets for devices=2
     with pytest.raises(MisconfigurationException, match="data_parallel_size='auto'"):

@@ -33,6 +33,7 @@ from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.kernels import Kernels
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import GroupLayout
+from lightning_zenflow.engine.ranks import Ranks
 
 _KEYS = ("interim_row", "interim_col", "interim_decay", "interim_moves")
 MOVED_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,6 +55,8 @@ class MatrixStatistics:
     """fp32 scalar: the moves made so far (seeds bf16's stochastic rounding)."""
     salt: int
     """From the matrix's name: two matrices never draw the same random bits."""
+    row_offset: int = 0
+    """FSDP2: where this rank's rows start in the whole matrix (``row`` covers every row, on every rank)."""
     host_mask: torch.Tensor | None = None
     """``[cols]`` fp32, 1 in the host columns of ``mask_of``."""
     mask_of: torch.Tensor | None = None
@@ -65,12 +68,20 @@ class MatrixStatistics:
 
 
 class InterimMoves:
-    """The factored second-moment estimate of every matrix and the per-step move of its host columns."""
+    """The factored second-moment estimate of every matrix and the per-step move of its host columns.
 
-    def __init__(self, lanes: Lanes, scale: float, kernels: Kernels) -> None:
+    ``ranks`` (FSDP2, ``rows_local``): the matrices are this rank's row shards. The statistics stay whole on every
+    rank (``row`` has one entry per row of the whole matrix): at a statistics step each rank adds its rows' sums into
+    a vector of the whole matrix's rows and columns, and one all-reduce per step sums them, so every rank holds what
+    one process would (the column sums to float rounding); a shard moves with its rows of the scales."""
+
+    def __init__(self, lanes: Lanes, scale: float, kernels: Kernels, ranks: Ranks | None = None) -> None:
         self.lanes = lanes
         self.scale = float(scale)
         self.kernels = kernels
+        self.ranks = ranks or Ranks()
+        self.shard_rows: dict[str, tuple[int, int]] = {}
+        """FSDP2: per matrix name, ``(row_offset, whole_rows)`` of this rank's shard (set by the strategy)."""
         self._stats: dict[str, MatrixStatistics] = {}
         self._keep_all = torch.ones((), dtype=torch.float32, device=lanes.device)
         """The kernels' ``keep`` when no step can overflow: one compiled graph whether or not a loss scaler runs."""
@@ -80,13 +91,15 @@ class InterimMoves:
         stats = self._stats.get(slot.name)
         if stats is None:
             device = self.lanes.device
+            row_offset, whole_rows = self.shard_rows.get(slot.name, (0, slot.rows))
             # allocated and zeroed on the calling thread, before any lane work reads them
             stats = MatrixStatistics(
-                row=torch.zeros(slot.rows, dtype=torch.float32, device=device),
+                row=torch.zeros(whole_rows, dtype=torch.float32, device=device),
                 col=torch.zeros(slot.cols, dtype=torch.float32, device=device),
                 decay=torch.ones((), dtype=torch.float32, device=device),
                 moves=torch.zeros((), dtype=torch.float32, device=device),
                 salt=zlib.crc32(slot.name.encode()) & 0xFFFF,
+                row_offset=row_offset,
             )
             self._stats[slot.name] = stats
         return stats
@@ -111,8 +124,19 @@ class InterimMoves:
                 self.lanes.keep_for(grad, self.lanes.side)
                 beta = hp.beta2**interval if first_in_window else None
                 work.append((state, grad, self._stats_of(state), beta, hp.eps, coefficient))
-        if work:
-            self.lanes.side.run(_moves, self.kernels, work, found_inf, self._keep_all)
+        if not work:
+            return
+        # on the calling thread (the compute lane on CUDA, which produced found_inf)
+        keep = self._keep_all if found_inf is None else 1.0 - found_inf
+        measured = [item for item in work if item[3] is not None]
+        if measured:
+            sums: dict[str, torch.Tensor] = {}
+            self.lanes.side.run(_local_sums, self.kernels, measured, sums)
+            if self.ranks.rows_local and self.ranks.spans:
+                # one all-reduce of every matrix's row and column sums, in the side lane's order
+                self.lanes.collective(self.lanes.side, _sum_over_shards, self.ranks, sums)
+            self.lanes.side.run(_take_sums, measured, sums, keep)
+        self.lanes.side.run(_moves, self.kernels, work, keep)
 
     # ---------------------------------------------------------------------------------------------- state
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
@@ -153,22 +177,31 @@ def update_statistics(
     stats: MatrixStatistics,
     host_columns: int,
     beta: float,
-    keep: torch.Tensor | None,
+    keep: torch.Tensor,
 ) -> None:
-    """The EMA of the factored second moment takes this gradient's host columns (in place); with ``keep`` 0 (a
-    16-mixed overflow) nothing changes."""
+    """The EMA of the factored second moment takes this gradient's host columns (in place), in one process; with
+    ``keep`` 0 (a 16-mixed overflow) nothing changes."""
     row_sums, col_sums = kernels.row_col_sums(grad2d, stats.host_mask)
+    ema_(stats, row_sums, col_sums, grad2d.shape[0], host_columns, beta, keep)
+
+
+def ema_(
+    stats: MatrixStatistics,
+    row_sums: torch.Tensor,
+    col_sums: torch.Tensor,
+    whole_rows: int,
+    host_columns: int,
+    beta: float,
+    keep: torch.Tensor,
+) -> None:
+    """One EMA step of the statistics with the whole matrix's sums of squares (per row over the host columns, per
+    column over the rows)."""
+    kept = keep > 0
     new_row = stats.row * beta + row_sums * ((1.0 - beta) / host_columns)
-    new_col = torch.where(stats.host_mask > 0, stats.col * beta + col_sums * ((1.0 - beta) / grad2d.shape[0]), stats.col)
-    if keep is None:
-        stats.row.copy_(new_row)
-        stats.col.copy_(new_col)
-        stats.decay.mul_(beta)
-    else:
-        kept = keep > 0
-        stats.row.copy_(torch.where(kept, new_row, stats.row))
-        stats.col.copy_(torch.where(kept, new_col, stats.col))
-        stats.decay.copy_(torch.where(kept, stats.decay * beta, stats.decay))
+    new_col = stats.col * beta + col_sums * ((1.0 - beta) / whole_rows)
+    stats.row.copy_(torch.where(kept, new_row, stats.row))
+    stats.col.copy_(torch.where(kept & (stats.host_mask > 0), new_col, stats.col))
+    stats.decay.copy_(torch.where(kept, stats.decay * beta, stats.decay))
     stats.row_scale = None
 
 
@@ -180,24 +213,57 @@ def derive_scales(stats: MatrixStatistics) -> None:
     stats.move_mask = stats.host_mask * (correction > 0)
 
 
-def _moves(kernels: Kernels, work: list, found_inf: torch.Tensor | None, keep_all: torch.Tensor) -> None:
-    keep = keep_all if found_inf is None else 1.0 - found_inf
+def _local_sums(kernels: Kernels, measured: list, sums: dict[str, torch.Tensor]) -> None:
+    """Lane work: this rank's sums of squares of every measured matrix, into one flat vector per step: the whole
+    matrix's rows (this rank's block filled, zeros elsewhere) and then its columns."""
+    parts = []
     with torch.no_grad():
-        for state, grad, stats, beta, eps, coefficient in work:
+        for state, grad, stats, _beta, _eps, _coefficient in measured:
             slot = state.slot
-            grad2d = grad.view(slot.rows, slot.cols)
             _host_mask(stats, state.unselected)
-            if beta is not None:
-                update_statistics(kernels, grad2d, stats, int(state.unselected.numel()), beta, keep)
+            row_sums, col_sums = kernels.row_col_sums(grad.view(slot.rows, slot.cols), stats.host_mask)
+            if slot.rows != stats.row.numel():
+                whole = torch.zeros_like(stats.row)
+                whole[stats.row_offset : stats.row_offset + slot.rows] = row_sums
+                row_sums = whole
+            parts += [row_sums, col_sums]
+        sums["flat"] = torch.cat(parts)
+
+
+def _sum_over_shards(ranks: Ranks, sums: dict[str, torch.Tensor]) -> None:
+    ranks.sum_scores_(sums["flat"])  # every rank's rows and column partial sums: the whole matrix's
+
+
+def _take_sums(measured: list, sums: dict[str, torch.Tensor], keep: torch.Tensor) -> None:
+    """Lane work: the statistics' EMA from the summed vector (the same on every rank)."""
+    flat = sums.pop("flat")
+    offset = 0
+    with torch.no_grad():
+        for state, _grad, stats, beta, _eps, _coefficient in measured:
+            rows, cols = stats.row.numel(), stats.col.numel()
+            row_sums, col_sums = flat[offset : offset + rows], flat[offset + rows : offset + rows + cols]
+            offset += rows + cols
+            ema_(stats, row_sums, col_sums, rows, int(state.unselected.numel()), beta, keep)
+
+
+def _moves(kernels: Kernels, work: list, keep: torch.Tensor) -> None:
+    with torch.no_grad():
+        for state, grad, stats, _beta, eps, coefficient in work:
+            slot = state.slot
+            _host_mask(stats, state.unselected)
             if coefficient == 0.0:
                 continue
             if stats.row_scale is None:
                 derive_scales(stats)
+            row_scale = stats.row_scale
+            if slot.rows != row_scale.numel():
+                row_scale = row_scale[stats.row_offset : stats.row_offset + slot.rows]
+            grad2d = grad.view(slot.rows, slot.cols)
             weight2d = slot.param.data.view(slot.rows, slot.cols)
-            args = (grad2d, weight2d, stats.row_scale, stats.col_scale, stats.move_mask, eps, coefficient, keep)
+            args = (grad2d, weight2d, row_scale, stats.col_scale, stats.move_mask, eps, coefficient, keep)
             if weight2d.dtype == torch.bfloat16:
                 seed = (stats.moves.to(torch.int64) * _SEED_STRIDE + stats.salt) & 0x7FFFFFFF
-                kernels.moves_bf16_(*args, 0, seed)
+                kernels.moves_bf16_(*args, stats.row_offset, seed)
             else:
                 kernels.moves_fp32_(*args)
             stats.moves.add_(keep)

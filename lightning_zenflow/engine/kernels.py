@@ -45,7 +45,8 @@ def row_col_sums(grad2d: torch.Tensor, host_mask: torch.Tensor) -> tuple[torch.T
     the columns that are not host-bound), fp32, from one read of the gradient."""
     rows, cols = grad2d.shape
     squared = grad2d.float().square() * host_mask
-    if rows < 2 * _TILE_ROWS:  # a small matrix (a second graph when compiled): no tiles
+    if rows < 2 * _TILE_ROWS or not torch.compiler.is_compiling():
+        # a small matrix (a second graph when compiled), or eager: ATen's column sum walks the rows in order itself
         return squared.sum(1), squared.sum(0)
     whole = rows - rows % _TILE_ROWS
     col_sums = squared[:whole].view(whole // _TILE_ROWS, _TILE_ROWS, cols).sum(1).sum(0) + squared[whole:].sum(0)

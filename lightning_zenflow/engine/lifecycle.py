@@ -133,7 +133,7 @@ class EngineLifecycle:
         self._pinned: list[tuple[torch.Tensor, int]] = []
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
         self.interim = (
-            InterimMoves(self.lanes, self.interim_scale, Kernels(self.config.interim_kernel, self.device))
+            InterimMoves(self.lanes, self.interim_scale, Kernels(self.config.interim_kernel, self.device), self.ranks)
             if self.interim_scale > 0
             else None
         )

@@ -9,8 +9,9 @@ Device bytes for the weights, gradients and ZenFlow's state fall as ``1/W``, and
 
 - **Selection is global**: at a refresh every rank scores its rows' columns and one all-reduce sums the scores
   (``Ranks.sum_scores_``), so every rank chooses the columns one process would choose from the same gradient.
-- **Interim moves are off** (``interim_step`` resolves to 0, the paper's rule): their per-column statistics are
-  means over *all* rows of a matrix, which FSDP2's shards split; an explicit ``interim_step > 0`` is refused.
+- **Interim moves** run on each rank's rows: their statistics are sums over *all* rows of a matrix, which FSDP2's
+  shards split, so at each window's first step one all-reduce (the rows' and the columns' sums of every matrix,
+  O(rows + columns) floats) gives every rank the statistics one process would hold (``engine/interim.py``).
 - **Checkpoints**: ``checkpoint_format="sharded"`` writes a ``torch.distributed.checkpoint`` directory in which the
   weights are FSDP2's DTensors and every parameter's ZenFlow state (master, moments, window sum) is a row-sharded
   DTensor over the rank's host memory (``strategies/sharded.py``): it resumes at any number of ranks.
@@ -65,8 +66,9 @@ class LocalShards:
     :meth:`before_step` hands them the local shards of the reduce-scattered gradients and the groups' current
     hyperparameters (a scheduler sets them on the user's optimizer); :meth:`release` drops the gradients again."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[torch.Tensor, str]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[torch.Tensor, str], ranks: Ranks) -> None:
         self.optimizer = optimizer
+        self.ranks = ranks
         self.pairs: list[tuple[torch.Tensor, torch.nn.Parameter]] = []
         self.names: dict[torch.Tensor, str] = {}
         groups = []
@@ -101,6 +103,15 @@ class LocalShards:
         for _, shadow in self.pairs:
             shadow.grad = None
 
+    def row_blocks(self) -> dict[str, tuple[int, int]]:
+        """Per parameter name: where this rank's shard starts in the whole parameter's rows, and how many rows the
+        whole parameter has (FSDP2's ``torch.chunk`` blocks, ``Ranks.block_of``)."""
+        blocks = {}
+        for param, shadow in self.pairs:
+            rows = param.shape[0] if param.dim() else 1
+            blocks[self.names[shadow]] = (self.ranks.block_of(rows)[0], rows)
+        return blocks
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the tensor object FSDP2 keeps, not an autograd view of it)."""
@@ -112,7 +123,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
     """ZenFlow on FSDP2: every rank's engine and host worker hold only the rows of its shards.
 
     The ZenFlow knobs are those of :class:`~lightning_zenflow.ZenFlowStrategy` (the README table), with
-    ``interim_step`` fixed to 0 (see the module's notes); the rest are Lightning's ModelParallelStrategy options.
+    interim moves on every rank's rows (see the module's notes); the rest are Lightning's ModelParallelStrategy options.
 
     Args:
         topk_ratio: fraction of columns of each matrix updated on the device every step.
@@ -123,7 +134,8 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         overlap_step: run the host update in the background (its result lands one window later).
         land_after: with overlap, land the host update this many steps after its window (None: a window later).
         overlap_after: windows closing at steps up to this land at once (the device waits); later ones overlap.
-        interim_step: ``"auto"`` or 0 (both: the paper's rule); interim moves need whole columns.
+        interim_step: move host columns between host updates (``"auto"``: 1 where it applies; 0: the paper).
+        interim_kernel: the moves' passes ``"compiled"`` or ``"eager"``; ``"auto"`` compiles where it can.
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
         sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
@@ -166,14 +178,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = COLLECTIVE_TIMEOUT,
     ) -> None:
-        if interim_step != "auto" and float(interim_step) != 0.0:
-            raise MisconfigurationException(
-                f"zenflow_fsdp runs the paper's rule (interim_step=0); interim_step={interim_step} needs statistics "
-                "over every row of a matrix, which FSDP2's shards split across ranks. Leave interim_step at 'auto' "
-                "or 0, or use strategy='zenflow' (data parallel) for interim moves."
-            )
         knobs = zenflow_knobs(locals())
-        knobs["interim_step"] = 0.0
         self._init_zenflow(knobs)
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -227,7 +232,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 _check_shard(param, names.get(param, "a parameter"), world, ranks, self.root_device)
-        self._shards = LocalShards(optimizer, names)
+        self._shards = LocalShards(optimizer, names, ranks)
         return self._shards.local_optimizer, self._shards.names
 
     @override
@@ -236,6 +241,8 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         if self.engine is None or self._shards is None:
             return
         shards, engine = self._shards, self.engine
+        if engine.interim is not None:
+            engine.interim.shard_rows = shards.row_blocks()  # before the first step makes the statistics
 
         def before_zero_grad() -> None:
             engine.wait_for_gradients()
