@@ -21,16 +21,23 @@ Table 2, the passes alone on the training core (median ms per step; one window o
 pass and ``S`` moves): one fused AdamW step over the matrices; the moves compiled and eager, fp32 and bf16 weights
 (bf16 gradients); and the rule before this version (ten unfused passes with a gather and a scatter, every step).
 
-    python benchmarks/moves_bench.py            # about 3 minutes on 2 cores
-    python benchmarks/moves_bench.py --quick    # smoke run, < 1 minute
+On CUDA (``--device cuda``) only table 2 runs, on the GPU (default eight 4096 x 4096 matrices, 134 M elements): the
+kernels built by Triton from the same source, against torch's fused AdamW on the GPU.
+
+    python benchmarks/moves_bench.py                 # about 1 minute on 2 cores
+    python benchmarks/moves_bench.py --quick         # smoke run, < 1 minute
+    python benchmarks/moves_bench.py --device cuda   # the passes on one GPU, < 1 minute
 """
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+import sys
 import time
 from typing import Any
 
+import bench_train
 import bench_utils
 import torch
 
@@ -43,7 +50,14 @@ DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "moves_bench.json"
 
 def parse_args(argv: list[str] | None = None) -> Any:
     parser = bench_utils.make_parser(__doc__)
-    bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="small layers, few steps: a smoke run.", seed="")
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        quick="small layers, few steps: a smoke run.",
+        seed="",
+        device=("cpu", "cuda"),
+        device_help="cpu: both tables on the CPU stand-in; cuda: the passes on the GPU.",
+    )
     parser.add_argument("--layers", type=int, default=None, help="square Linear layers (default 4; quick 2).")
     parser.add_argument("--width", type=int, default=None, help="their width (default 2048; quick 256).")
     parser.add_argument("--batch", type=int, default=2)
@@ -52,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> Any:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved runs per row (default 2; quick 1).")
     parser.add_argument("--interval", type=int, default=4, help="update_interval S of the engine rows.")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not args.quick:
+        args.layers = args.layers or 8
+        args.width = args.width or 4096
     return bench_utils.apply_quick_defaults(
         args,
         {"layers": (4, 2), "width": (2048, 256), "tokens": (16, 4), "steps": (32, 8), "repeats": (2, 1)},
@@ -115,43 +132,37 @@ def run_row(name: str, config: ZenFlowConfig | None, args: Any, data: list, warm
     return times
 
 
-def pass_times(args: Any) -> dict[str, float]:
-    """Median ms per step of each pass over the model's matrices, on one core with one thread."""
+def pass_times(args: Any, device: torch.device) -> dict[str, float]:
+    """Median ms per step of each pass over the model's matrices: on one core with one thread, or on the GPU."""
     shapes = [(args.width, args.width)] * args.layers
     generator = torch.Generator().manual_seed(args.seed)
-    grads = [torch.randn(shape, generator=generator) * 1e-3 for shape in shapes]
-    weights = [torch.randn(shape, generator=generator) * 0.02 for shape in shapes]
+    grads = [(torch.randn(shape, generator=generator) * 1e-3).to(device) for shape in shapes]
+    weights = [(torch.randn(shape, generator=generator) * 0.02).to(device) for shape in shapes]
     k = max(1, round(0.1 * args.width))
-    unselected = torch.arange(k, args.width)
+    unselected = torch.arange(k, args.width, device=device)
+    cuda = device.type == "cuda"
     interval = args.interval
     results: dict[str, float] = {}
 
     def timed(fn: Any, repeats: int = 10) -> float:
-        fn()
-        fn()
-        samples = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - started)
-        return bench_utils.median(samples) * 1e3
+        return bench_train.time_median(fn, repeats, warmups=2, device=device) * 1e3
 
-    with bench_utils.pinned([0], threads=1):
+    with bench_utils.pinned([0], threads=1) if not cuda else contextlib.nullcontext():
         params = [torch.nn.Parameter(w.clone()) for w in weights]
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         adamw = torch.optim.AdamW(params, lr=1e-4, fused=True)
         results["fused AdamW step"] = timed(adamw.step)
         for mode in ("compiled", "eager"):
-            kernels = Kernels(mode, torch.device("cpu"))
+            kernels = Kernels(mode, device)
             for dtype in (torch.float32, torch.bfloat16):
-                if dtype == torch.bfloat16 and mode == "eager" and not args.quick:
+                if dtype == torch.bfloat16 and mode == "eager" and not args.quick and not cuda:
                     continue  # minutes of bf16 elementwise work on this CPU; the compiled row is the one used
                 g = [x.to(dtype) for x in grads]
                 w = [x.to(dtype) for x in weights]
-                stats = [_statistics(shape, unselected) for shape in shapes]
-                seed = torch.zeros((), dtype=torch.int64)
-                keep = torch.ones(())  # the engine's keep without a loss scaler
+                stats = [_statistics(shape, unselected, device) for shape in shapes]
+                seed = torch.zeros((), dtype=torch.int64, device=device)
+                keep = torch.ones((), device=device)  # the engine's keep without a loss scaler
 
                 def window(g=g, w=w, stats=stats, kernels=kernels, seed=seed, keep=keep) -> None:
                     for step in range(interval):
@@ -167,8 +178,8 @@ def pass_times(args: Any) -> dict[str, float]:
 
                 label = f"moves {mode} {'fp32' if dtype == torch.float32 else 'bf16'}"
                 results[label] = timed(window, repeats=5) / interval
-        rows = [torch.zeros(args.width) for _ in shapes]
-        cols = [torch.zeros(args.width) for _ in shapes]
+        rows = [torch.zeros(args.width, device=device) for _ in shapes]
+        cols = [torch.zeros(args.width, device=device) for _ in shapes]
 
         def previous_rule() -> None:
             for grad2d, weight2d, row, col in zip(grads, weights, rows, cols):
@@ -178,15 +189,15 @@ def pass_times(args: Any) -> dict[str, float]:
     return results
 
 
-def _statistics(shape: tuple[int, int], unselected: torch.Tensor) -> MatrixStatistics:
+def _statistics(shape: tuple[int, int], unselected: torch.Tensor, device: torch.device) -> MatrixStatistics:
     stats = MatrixStatistics(
-        row=torch.zeros(shape[0]),
-        col=torch.zeros(shape[1]),
-        decay=torch.ones(()),
-        moves=torch.zeros(()),
+        row=torch.zeros(shape[0], device=device),
+        col=torch.zeros(shape[1], device=device),
+        decay=torch.ones((), device=device),
+        moves=torch.zeros((), device=device),
         salt=0,
     )
-    stats.host_mask = torch.zeros(shape[1]).index_fill_(0, unselected, 1.0)
+    stats.host_mask = torch.zeros(shape[1], device=device).index_fill_(0, unselected, 1.0)
     stats.mask_of = unselected
     return stats
 
@@ -207,7 +218,22 @@ def _previous_moves(grad2d: torch.Tensor, weight2d: torch.Tensor, unselected: to
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    info = bench_utils.announce("moves_bench: the interim moves' cost, side by side", torch.device("cpu"))
+    device = torch.device(args.device)
+    missing = bench_utils.cuda_missing(args.device, "; run it with --device cpu for the CPU stand-in.")
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
+    info = bench_utils.announce("moves_bench: the interim moves' cost, side by side", device)
+    if device.type == "cuda":
+        passes = pass_times(args, device)
+        _print_passes(passes, f"{args.layers} x [{args.width}, {args.width}] on the GPU")
+        bench_utils.write_results(
+            args.out,
+            bench_utils.payload(
+                "moves_bench", info, revision=True, settings=bench_utils.settings_of(args), pass_ms=passes
+            ),
+        )
+        return 0
     warmup = 2 * args.interval
     data = batches(args, warmup + args.steps)
     rows = configs(args)
@@ -231,14 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         step_rows,
         digits=2,
     )
-    passes = pass_times(args)
-    adamw = passes["fused AdamW step"]
-    bench_utils.print_table(
-        "\nThe passes alone, one core, one thread (ms per step)",
-        ["pass", "ms per step", "x fused AdamW step"],
-        [[name, value, value / adamw] for name, value in passes.items()],
-        digits=2,
-    )
+    passes = pass_times(args, device)
+    _print_passes(passes, "one core, one thread")
     step_ms = {name: {"median": bench_utils.median(v) * 1e3, "mean": sum(v) / len(v) * 1e3} for name, v in samples.items()}
     bench_utils.write_results(
         args.out,
@@ -247,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     return 0
+
+
+def _print_passes(passes: dict[str, float], where: str) -> None:
+    adamw = passes["fused AdamW step"]
+    bench_utils.print_table(
+        f"\nThe passes alone, {where} (ms per step)",
+        ["pass", "ms per step", "x fused AdamW step"],
+        [[name, value, value / adamw] for name, value in passes.items()],
+        digits=2,
+    )
 
 
 if __name__ == "__main__":

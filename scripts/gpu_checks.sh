@@ -10,7 +10,9 @@
 #   gpu_tests_lightning.txt/.xml the Lightning fits on CUDA
 #   gpu_tests_nccl.txt/.xml      on 2+ GPUs only: data parallel and FSDP2 (zenflow_fsdp) over NCCL
 #   gpu_stall_trace.json      a torch.profiler Chrome trace of a few ZenFlow steps (open in chrome://tracing, Perfetto)
-#   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each)
+#   moves_bench_cuda.*        benchmarks/moves_bench.py --device cuda: the interim moves' kernels against fused AdamW
+#   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each),
+#                             the defaults (interim moves on) beside "zenflow no-moves"
 #   steps.txt                 each step's exit status and seconds (124: it hit its timeout)
 #
 # Exit status: 0 when every step passed, 1 otherwise. Needs python with a CUDA build of torch, lightning and pytest
@@ -108,6 +110,9 @@ run_step gpu_stall 120 "$python" benchmarks/gpu_stall.py --device cuda --budget-
 
 run_step gpu_stall_profile 60 "$python" benchmarks/gpu_stall.py --device cuda --warmup-steps 8 --profile-steps 8 \
   --profile "$out/gpu_stall_trace.json"
+
+# the interim moves' kernels (Triton, from the same source as the CPU's) against fused AdamW on the GPU
+run_step moves_bench_cuda 60 "$python" benchmarks/moves_bench.py --device cuda --out "$out/moves_bench_cuda.json"
 
 # what is left of the 8 minutes: the ZenFlow row runs first and every row is written as it finishes
 run_step offload_bench_cuda 400 "$python" benchmarks/offload_bench.py --device cuda --no-sweep --warmup-steps 8 \

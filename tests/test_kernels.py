@@ -204,3 +204,31 @@ def test_bf16_weights_train_with_compiled_moves_close_to_eager_ones() -> None:
         gap = (compiled[name] - value).abs().mean()
         trained = (value - initial[name].float()).abs().mean()
         assert gap < 0.25 * trained, (name, float(gap), float(trained))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_kernels_from_the_same_source_agree_with_the_cpu() -> None:
+    """On CUDA the kernels are Triton's, built from the same functions: the sums and fp32 moves equal the CPU's to
+    float rounding, and stochastic rounding draws bitwise the CPU's bits (the hash is integer arithmetic)."""
+    cuda = torch.device("cuda")
+    compiled_cuda, eager_cpu = Kernels("compiled", cuda), Kernels("eager", CPU)
+    x = _inputs(70, 52, seed=5)
+    on_cuda = {key: value.to(cuda) for key, value in x.items()}
+    for got, expected in zip(
+        compiled_cuda.row_col_sums(on_cuda["grad"], on_cuda["mask"]), eager_cpu.row_col_sums(x["grad"], x["mask"])
+    ):
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=0)
+    keep = torch.tensor(1.0)
+    moved_cpu, moved_cuda = x["weight"].clone(), on_cuda["weight"].clone()
+    eager_cpu.moves_fp32_(x["grad"], moved_cpu, x["row_scale"], x["col_scale"], x["mask"], 1e-8, 1e-3, keep)
+    compiled_cuda.moves_fp32_(
+        on_cuda["grad"], moved_cuda, on_cuda["row_scale"], on_cuda["col_scale"], on_cuda["mask"], 1e-8, 1e-3,
+        keep.to(cuda),
+    )
+    torch.testing.assert_close(moved_cuda.cpu(), moved_cpu, rtol=0, atol=1e-8)
+    value = torch.randn(300, 200) * 0.02
+    seed = torch.tensor(99, dtype=torch.int64)
+    assert torch.equal(stochastic_round_bf16(value.to(cuda), 3, seed.to(cuda)).cpu(), stochastic_round_bf16(value, 3, seed))
+    compiled_round = torch.compile(stochastic_round_bf16, dynamic=True)
+    assert torch.equal(compiled_round(value.to(cuda), 3, seed.to(cuda)).cpu(), stochastic_round_bf16(value, 3, seed))
