@@ -19,7 +19,8 @@ step of each window):
 
 Table 2, the passes alone on the training core (median ms per step; one window of ``S`` steps is one statistics
 pass and ``S`` moves): one fused AdamW step over the matrices; the moves compiled and eager, fp32 and bf16 weights
-(bf16 gradients); and the rule before this version (ten unfused passes with a gather and a scatter, every step).
+(bf16 gradients), the compiled ones also split into their move pass and their statistics pass; and the rule before
+this version (ten unfused passes with a gather and a scatter, every step).
 
 On CUDA (``--device cuda``) only table 2 runs, on the GPU (default eight 4096 x 4096 matrices, 134 M elements): the
 kernels built by Triton from the same source, against torch's fused AdamW on the GPU.
@@ -178,6 +179,22 @@ def pass_times(args: Any, device: torch.device) -> dict[str, float]:
 
                 label = f"moves {mode} {'fp32' if dtype == torch.float32 else 'bf16'}"
                 results[label] = timed(window, repeats=5) / interval
+                if mode == "compiled":
+                    # the two parts of that mean: one move pass (every step), one statistics pass (once a window)
+                    def move_only(g=g, w=w, stats=stats, kernels=kernels, seed=seed, keep=keep) -> None:
+                        for grad2d, weight2d, st in zip(g, w, stats):
+                            args_ = (grad2d, weight2d, st.row_scale, st.col_scale, st.move_mask, 1e-8, 1e-4, keep)
+                            if weight2d.dtype == torch.bfloat16:
+                                kernels.moves_bf16_(*args_, 0, seed)
+                            else:
+                                kernels.moves_fp32_(*args_)
+
+                    def sums_only(g=g, stats=stats, kernels=kernels) -> None:
+                        for grad2d, st in zip(g, stats):
+                            kernels.row_col_sums(grad2d, st.host_mask)
+
+                    results[f"{label}: the move pass"] = timed(move_only)
+                    results[f"{label}: the statistics pass (once a window)"] = timed(sums_only)
         rows = [torch.zeros(args.width, device=device) for _ in shapes]
         cols = [torch.zeros(args.width, device=device) for _ in shapes]
 
