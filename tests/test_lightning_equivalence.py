@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 from lightning_helpers import TinyModule, assert_weights_close, fit, weights
@@ -143,3 +144,37 @@ def test_lr_scheduler_and_lr_monitor_equal_lightning(interval: str, tmp_path: pa
     assert len({lr for _, lr in zenflow_lrs}) >= 3, "the schedule should have decayed the lr several times"
     assert zenflow_final_lr == control_final_lr < 1e-2
     assert_weights_close(weights(zenflow), weights(control))
+
+
+class _SkipsBatches(TinyModule):
+    """``training_step`` returns None (Lightning's way to skip a batch) at every third batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx % 3 == 1:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("knobs", [DEVICE_ONLY, HOST_SYNC], ids=["device_only", "host_sync"])
+def test_a_skipped_batch_is_skipped_as_lightning_skips_it(knobs: dict) -> None:
+    """A ``training_step`` that returns None skips its batch: in the exact settings the run equals plain Lightning's
+    AdamW with the same skips (which changes nothing on those batches), and the engine takes only the other steps."""
+    control, control_trainer = fit("auto", module=_SkipsBatches())
+    record = _RecordEngineSteps()
+    strategy = ZenFlowStrategy(**{"full_warm_up_rounds": 0, **knobs})
+    zenflow, trainer = fit(strategy, module=_SkipsBatches(), callbacks=[record])
+    assert trainer.global_step == control_trainer.global_step
+    trained = len(zenflow.train_losses)
+    assert record.engine_t == trained < trainer.global_step  # the skipped batches are no engine steps
+    assert_weights_close(weights(zenflow), weights(control))
+    assert not all(weights(zenflow)[k].equal(weights(TinyModule())[k]) for k in weights(zenflow))
+
+
+def test_skipped_batches_under_the_defaults_train_to_the_end() -> None:
+    record = _RecordEngineSteps()
+    strategy = ZenFlowStrategy(topk_ratio=0.25, update_interval=2, full_warm_up_rounds=1)
+    module, trainer = fit(strategy, module=_SkipsBatches(), callbacks=[record])
+    assert trainer.global_step == 16 and record.engine_t == len(module.train_losses) > 8
+    initial = weights(TinyModule())
+    assert all(not value.equal(initial[name]) for name, value in weights(module).items())
+    assert all(torch.isfinite(value).all() for value in weights(module).values())

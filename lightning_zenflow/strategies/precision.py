@@ -97,10 +97,11 @@ class ZenFlowPrecision(Precision):
             raise RuntimeError("ZenFlowPrecision.optimizer_step was called without a running ZenFlow engine.")
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
-            raise MisconfigurationException(
-                "training_step returned None (skipped backward); ZenFlow needs a loss at every optimizer step. "
-                "Return a loss, or zero it (e.g. `return loss * 0`) to make the step a no-op."
-            )
+            # Lightning's way to skip a batch: training_step returned None, no backward ran. As under Lightning's own
+            # plugins the step's hooks run and the optimizer changes nothing; here the engine takes no step at all
+            # (its rule counts the steps it is given: windows and refreshes count the batches that trained).
+            self._after_closure(model, optimizer)
+            return closure_result
         scaler = self.scaler
         if scaler is not None:
             # unscale before the hooks and clipping see the gradients, as Lightning's AMP plugin does
