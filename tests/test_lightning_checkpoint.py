@@ -17,7 +17,7 @@ import lightning
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning_helpers import TinyModule, assert_weights_equal, make_trainer, weights
+from lightning_helpers import TinyModule, assert_weights_close, assert_weights_equal, make_trainer, weights
 
 from lightning_zenflow import ZenFlowStrategy
 
@@ -203,3 +203,25 @@ def test_plain_checkpoint_resumes_under_zenflow(plain_run: Run, tmp_path: pathli
     assert resumed.trainer.global_step == 32
     _assert_same_moments(capture.state, _load(plain_run.checkpoints[1])["optimizer_states"][0])
     assert resumed.module.train_losses[-1] < resumed.module.train_losses[0]
+
+
+@pytest.mark.parametrize("saved_by", ["plain", "zenflow"])
+def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_optimizer(
+    plain_run: Run, aligned_run: Run, tmp_path: pathlib.Path, saved_by: str
+) -> None:
+    """A weights-only export (``optimizer_states`` empty, as some tools write it): Lightning trains on with a fresh
+    optimizer from the checkpoint's weights, and so does ZenFlow. In an exact setting (every column on the device)
+    the two resumed runs are equal."""
+    source = (plain_run if saved_by == "plain" else aligned_run).checkpoints[1]
+    checkpoint = torch.load(source, weights_only=True)
+    checkpoint["optimizer_states"] = []
+    checkpoint["lr_schedulers"] = []
+    checkpoint.pop("zenflow", None)
+    weights_only = tmp_path / "weights_only.ckpt"
+    torch.save(checkpoint, weights_only)
+    plain = _run(None, {}, tmp_path / "plain", ckpt_path=weights_only)
+    zenflow = _run({"topk_ratio": 1.0}, {}, tmp_path / "zenflow", ckpt_path=weights_only)
+    assert zenflow.trainer.global_step == plain.trainer.global_step == 32
+    assert_weights_close(weights(zenflow.module), weights(plain.module))
+    trained = _run({"topk_ratio": 1.0}, {}, tmp_path / "from_start")  # not the run from the start: resumed weights
+    assert any(not weights(trained.module)[k].equal(v) for k, v in weights(zenflow.module).items())

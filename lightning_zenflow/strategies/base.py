@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_zenflow.config import ZenFlowConfig
@@ -425,6 +426,12 @@ class ZenFlowStrategyBase:
             return
         where = f"cannot resume from {self._checkpoint_path or 'the checkpoint'}"
         optimizer_states = checkpoint["optimizer_states"]
+        if not optimizer_states:
+            # a weights-only export (no optimizer state): as Lightning does, train on with a fresh optimizer; the
+            # engine started from the checkpoint's weights, which Lightning restored before the strategy's setup
+            source = self._checkpoint_path or "the checkpoint"
+            rank_zero_info(f"ZenFlow: {source} holds no optimizer state; the optimizer starts fresh from its weights.")
+            return
         if len(optimizer_states) != 1:
             raise CheckpointError(
                 f"{where}: it holds {len(optimizer_states)} optimizer states; ZenFlow resumes from exactly one."
