@@ -3,6 +3,7 @@ KeyboardInterrupt or a killed worker, and a Trainer can fit twice."""
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import signal
@@ -119,3 +120,38 @@ def test_the_same_trainer_fits_twice() -> None:
     assert len(set(record.pids)) == 2, "each fit starts its own host worker"
     assert callbacks.own_callbacks == [2, 2], "the strategy's callbacks are installed once per fit, never stacked"
     _assert_worker_gone(record)
+
+
+class _DeepCopies(Callback):
+    """Deep-copies the Trainer's callbacks, the LightningModule and the optimizers during the fit, as Lightning's
+    own tests and callbacks (SWA, EMA) do."""
+
+    def __init__(self) -> None:
+        self.copies: list[object] = []
+        self.worker_pids: list[int] = []
+
+    def on_fit_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.copies.append(copy.deepcopy(trainer.callbacks))
+
+    def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.copies += [copy.deepcopy(trainer.callbacks), copy.deepcopy(pl_module)]
+        self.worker_pids.append(trainer.strategy.engine.worker_pid)
+
+
+def test_deep_copies_during_the_fit_change_nothing_and_leave_the_worker_alone() -> None:
+    """A copy of ZenFlow's callbacks shares the strategy instead of copying its engine (whose copied pipe would
+    close the worker's file descriptors and end the run); the fit's numbers are bitwise those of a fit without the
+    copies, and the worker is the same process throughout."""
+    knobs = {"topk_ratio": 0.25, "update_interval": 2, "full_warm_up_rounds": 0}
+    plain = TinyModule()
+    make_trainer(ZenFlowStrategy(**knobs), max_epochs=2).fit(plain)
+    copier, pids = _DeepCopies(), RecordWorkerPid()
+    module = TinyModule()
+    trainer = make_trainer(ZenFlowStrategy(**knobs), max_epochs=2, callbacks=[copier, pids])
+    trainer.fit(module)
+    assert trainer.global_step == 16 and len(copier.copies) == 5
+    assert set(copier.worker_pids) == set(pids.pids) and len(pids.pids) == 1 and process_gone(pids.pids[0])
+    copied_sync = [c for c in copier.copies[0] if isinstance(c, _SyncBoundaries)]
+    assert copied_sync and copied_sync[0].strategy is trainer.strategy
+    for name, value in weights(module).items():
+        assert torch.equal(value, weights(plain)[name]), name

@@ -470,6 +470,11 @@ class _SyncBoundaries(Callback):
     def __init__(self, strategy: ZenFlowStrategyBase) -> None:
         self.strategy = strategy
 
+    def __deepcopy__(self, memo: dict) -> _SyncBoundaries:
+        # a copy of the Trainer's callbacks (Lightning's own tests take one) refers to the same strategy: copying it
+        # would copy the running engine, its worker's pipe and shared memory, whose copies then close their handles
+        return type(self)(self.strategy)
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if "validation" in self.strategy.zenflow_config.sync_on:
             self.strategy.sync()
