@@ -34,8 +34,8 @@ selection made at step 1 (what the default engine keeps) still captures.
 from __future__ import annotations
 
 import argparse
-import copy
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json

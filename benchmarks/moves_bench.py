@@ -219,8 +219,9 @@ def _statistics(shape: tuple[int, int], unselected: torch.Tensor, device: torch.
     return stats
 
 
-def _previous_moves(grad2d: torch.Tensor, weight2d: torch.Tensor, unselected: torch.Tensor, row: torch.Tensor,
-                    col: torch.Tensor) -> None:
+def _previous_moves(
+    grad2d: torch.Tensor, weight2d: torch.Tensor, unselected: torch.Tensor, row: torch.Tensor, col: torch.Tensor
+) -> None:
     """The moves as the previous version ran them at every step: gather, statistics, denominator, scatter."""
     g = grad2d.index_select(1, unselected).float()
     squared = g.square()
@@ -276,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     passes = pass_times(args, device)
     _print_passes(passes, "one core, one thread")
-    step_ms = {name: {"median": bench_utils.median(v) * 1e3, "mean": sum(v) / len(v) * 1e3} for name, v in samples.items()}
+    step_ms = {
+        name: {"median": bench_utils.median(v) * 1e3, "mean": sum(v) / len(v) * 1e3} for name, v in samples.items()
+    }
     bench_utils.write_results(
         args.out,
         bench_utils.payload(

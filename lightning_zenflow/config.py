@@ -188,8 +188,8 @@ class ZenFlowConfig:
             )
         if self.interim_kernel not in ("auto", "compiled", "eager"):
             raise ValueError(
-                f"interim_kernel={self.interim_kernel!r} is not one of 'auto', 'compiled', 'eager'. Use 'auto' (compiled "
-                "where a compiler is found), 'compiled' (fail if none is) or 'eager' (never compile)."
+                f"interim_kernel={self.interim_kernel!r} is not one of 'auto', 'compiled', 'eager'. Use 'auto' "
+                "(compiled where a compiler is found), 'compiled' (fail if none is) or 'eager' (never compile)."
             )
         if self.accumulate_on not in ("auto", "device", "host"):
             raise ValueError(

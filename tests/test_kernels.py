@@ -46,9 +46,10 @@ def test_compiled_sums_and_fp32_moves_equal_eager(compiled: Kernels, shape: tupl
     x = _inputs(*shape)
     for got, expected in zip(compiled.row_col_sums(x["grad"], x["mask"]), eager.row_col_sums(x["grad"], x["mask"])):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
-    assert torch.equal(compiled.row_col_sums(x["grad"], x["mask"])[1][x["mask"] == 0], torch.zeros(0).new_zeros(
-        int((x["mask"] == 0).sum())
-    ))
+    assert torch.equal(
+        compiled.row_col_sums(x["grad"], x["mask"])[1][x["mask"] == 0],
+        torch.zeros(0).new_zeros(int((x["mask"] == 0).sum())),
+    )
     keep = torch.tensor(1.0)
     for keep_value in (None, keep):
         moved_c, moved_e = x["weight"].clone(), x["weight"].clone()
@@ -173,7 +174,8 @@ def _train(kernel: str, dtype: torch.dtype = torch.float32, steps: int = 14) -> 
     config = ZenFlowConfig(topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2, interim_kernel=kernel)
     generator = torch.Generator().manual_seed(1)
     with ZenFlowEngine(opt, config, param_names={p: n for n, p in model.named_parameters()}) as engine:
-        assert engine.interim is not None and engine.interim.kernels.mode == kernel
+        assert engine.interim is not None
+        assert engine.interim.kernels.mode == kernel
         for _ in range(steps):
             x = torch.randn(16, 24, generator=generator).to(dtype)
             y = torch.randn(16, 8, generator=generator).to(dtype)
@@ -223,12 +225,20 @@ def test_cuda_kernels_from_the_same_source_agree_with_the_cpu() -> None:
     moved_cpu, moved_cuda = x["weight"].clone(), on_cuda["weight"].clone()
     eager_cpu.moves_fp32_(x["grad"], moved_cpu, x["row_scale"], x["col_scale"], x["mask"], 1e-8, 1e-3, keep)
     compiled_cuda.moves_fp32_(
-        on_cuda["grad"], moved_cuda, on_cuda["row_scale"], on_cuda["col_scale"], on_cuda["mask"], 1e-8, 1e-3,
+        on_cuda["grad"],
+        moved_cuda,
+        on_cuda["row_scale"],
+        on_cuda["col_scale"],
+        on_cuda["mask"],
+        1e-8,
+        1e-3,
         keep.to(cuda),
     )
     torch.testing.assert_close(moved_cuda.cpu(), moved_cpu, rtol=0, atol=1e-8)
     value = torch.randn(300, 200) * 0.02
     seed = torch.tensor(99, dtype=torch.int64)
-    assert torch.equal(stochastic_round_bf16(value.to(cuda), 3, seed.to(cuda)).cpu(), stochastic_round_bf16(value, 3, seed))
+    assert torch.equal(
+        stochastic_round_bf16(value.to(cuda), 3, seed.to(cuda)).cpu(), stochastic_round_bf16(value, 3, seed)
+    )
     compiled_round = torch.compile(stochastic_round_bf16, dynamic=True)
     assert torch.equal(compiled_round(value.to(cuda), 3, seed.to(cuda)).cpu(), stochastic_round_bf16(value, 3, seed))

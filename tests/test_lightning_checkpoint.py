@@ -225,3 +225,39 @@ def test_a_checkpoint_without_optimizer_state_resumes_with_a_fresh_optimizer(
     assert_weights_close(weights(zenflow.module), weights(plain.module))
     trained = _run({"topk_ratio": 1.0}, {}, tmp_path / "from_start")  # not the run from the start: resumed weights
     assert any(not weights(trained.module)[k].equal(v) for k, v in weights(zenflow.module).items())
+
+
+class _OptimizerStateAtTrainStart(Callback):
+    """What ``trainer.optimizers[0].state_dict()`` shows when training starts and at each epoch end."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, Any]] = []
+
+    def on_train_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.states.append(copy.deepcopy(trainer.optimizers[0].state_dict()))
+
+    def on_train_epoch_end(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.states.append(copy.deepcopy(trainer.optimizers[0].state_dict()))
+
+
+def test_the_optimizer_lightning_hands_out_shows_the_engine_state(aligned_run: Run, tmp_path: pathlib.Path) -> None:
+    """After ``fit(ckpt_path=...)`` the optimizer's ``state_dict()`` holds the checkpoint's moments and steps (as
+    under plain Lightning); reading it during the fit changes no number; after the fit the optimizer is torch's
+    again."""
+    saved = _load(aligned_run.checkpoints[1])["optimizer_states"][0]
+    capture = _OptimizerStateAtTrainStart()
+    resumed = _run(
+        ALIGNED, {"scheduler": "step"}, tmp_path / "watched", ckpt_path=aligned_run.checkpoints[1], callbacks=[capture]
+    )
+    start = capture.states[0]
+    assert set(start["state"]) == set(saved["state"])
+    assert start["state"]
+    for position, entry in saved["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(start["state"][position][key], value), (position, key)
+    assert [g["lr"] for g in start["param_groups"]] == [g["lr"] for g in saved["param_groups"]]
+    assert len(capture.states) == 3
+    assert not torch.equal(capture.states[1]["state"][0]["exp_avg"], start["state"][0]["exp_avg"])
+    unwatched = _run(ALIGNED, {"scheduler": "step"}, tmp_path / "unwatched", ckpt_path=aligned_run.checkpoints[1])
+    assert_weights_equal(weights(resumed.module), weights(unwatched.module))
+    assert "state_dict" not in vars(resumed.trainer.optimizers[0])

@@ -149,9 +149,13 @@ def test_deep_copies_during_the_fit_change_nothing_and_leave_the_worker_alone() 
     module = TinyModule()
     trainer = make_trainer(ZenFlowStrategy(**knobs), max_epochs=2, callbacks=[copier, pids])
     trainer.fit(module)
-    assert trainer.global_step == 16 and len(copier.copies) == 5
-    assert set(copier.worker_pids) == set(pids.pids) and len(pids.pids) == 1 and process_gone(pids.pids[0])
+    assert trainer.global_step == 16
+    assert len(copier.copies) == 5
+    assert set(copier.worker_pids) == set(pids.pids)
+    assert len(pids.pids) == 1
+    assert process_gone(pids.pids[0])
     copied_sync = [c for c in copier.copies[0] if isinstance(c, _SyncBoundaries)]
-    assert copied_sync and copied_sync[0].strategy is trainer.strategy
+    assert copied_sync
+    assert copied_sync[0].strategy is trainer.strategy
     for name, value in weights(module).items():
         assert torch.equal(value, weights(plain)[name]), name

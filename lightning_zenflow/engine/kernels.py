@@ -122,7 +122,9 @@ def moves_bf16_(
     weight2d.copy_(stochastic_round_bf16(moved, row_offset, seed))
 
 
-def landing_add_(weight2d: torch.Tensor, step2d: torch.Tensor, scale: float, row_offset: int, seed: torch.Tensor) -> None:
+def landing_add_(
+    weight2d: torch.Tensor, step2d: torch.Tensor, scale: float, row_offset: int, seed: torch.Tensor
+) -> None:
     """A landing under interim moves, ``w <- w * scale + step`` in place; bf16 weights are rounded stochastically."""
     landed = weight2d.float() * scale + step2d.float()
     if weight2d.dtype == torch.bfloat16:
@@ -236,6 +238,8 @@ class Kernels:
 def _is_build_failure(error: Exception) -> bool:
     """An error raised while building a kernel (dynamo, inductor, the C++ or Triton compiler), not by the run."""
     module = type(error).__module__ or ""
-    return module.startswith(("torch._dynamo", "torch._inductor", "triton")) or isinstance(
-        error, (OSError, RuntimeError)
-    ) and ("compile" in str(error).lower() or "inductor" in str(error).lower())
+    return (
+        module.startswith(("torch._dynamo", "torch._inductor", "triton"))
+        or isinstance(error, (OSError, RuntimeError))
+        and ("compile" in str(error).lower() or "inductor" in str(error).lower())
+    )

@@ -124,6 +124,10 @@ class ZenFlowStrategyBase:
         ).start()
         self.precision_plugin.engine = self.engine
         self._install_callbacks(trainer)
+        if optimizer is self.optimizers[0] and self.engine.ranks.world == 1:
+            # one process: the optimizer Lightning hands out shows the engine's state (a gather under data
+            # parallel would need every rank, so there it keeps torch's own, empty, state)
+            self._state_view = _OptimizerStateView(optimizer, self)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -256,6 +260,10 @@ class ZenFlowStrategyBase:
         super().teardown()
 
     def _close_engine(self, cache_state: bool) -> None:
+        view = getattr(self, "_state_view", None)
+        if view is not None:
+            view.remove()
+            self._state_view = None
         engine = self.engine
         if engine is None:
             return
@@ -292,7 +300,7 @@ class ZenFlowStrategyBase:
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self._sharded_checkpoints and (self.engine is not None or self._final_state is not None):
             # the moments go into the sharded directory (save_checkpoint), not into one consolidated dict
-            return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
+            return {"state": {}, "param_groups": torch.optim.Optimizer.state_dict(optimizer)["param_groups"]}
         if self.engine is not None:
             return self.engine.torch_state_dict()
         if self._final_state is not None:
@@ -458,6 +466,33 @@ class ZenFlowStrategyBase:
             self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
         else:
             self.engine.load_torch_state_dict(torch_state)
+
+
+class _OptimizerStateView:
+    """While ZenFlow trains, the user's optimizer's ``state_dict()`` is the engine's state in torch AdamW's format
+    (the moments and steps a checkpoint holds; reading it waits for the update in flight to finish computing and
+    changes nothing), and its ``load_state_dict()`` loads into the engine. Undone by :meth:`remove`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, strategy: ZenFlowStrategyBase) -> None:
+        self.optimizer = optimizer
+
+        def state_dict() -> dict[str, Any]:
+            return strategy.optimizer_state(optimizer)
+
+        def load_state_dict(state_dict: dict[str, Any]) -> None:
+            if strategy.engine is None:
+                return torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
+            strategy.engine.load_torch_state_dict(state_dict)
+            for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+            return None
+
+        optimizer.state_dict = state_dict  # type: ignore[method-assign]
+        optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        for name in ("state_dict", "load_state_dict"):
+            vars(self.optimizer).pop(name, None)
 
 
 class _SyncBoundaries(Callback):
