@@ -8,12 +8,21 @@ Lightning strategy drives (:class:`~lightning_zenflow.engine.ZenFlowEngine`); th
 
 - ``param_groups`` are read at every step, so any LR scheduler works; ``add_param_group`` and ``requires_grad_``
   flips are followed at the next step.
-- ``step(closure)`` runs the closure (with gradients enabled) first, as AdamW does. Clip (``clip_grad_norm_``) and
-  unscale before ``step``, as with AdamW. ``torch.amp.GradScaler.step(opt)`` hands over its overflow flag and scale
-  on the device (``_step_supports_amp_scaling``): an overflowed step is skipped, with no host read.
+- ``step(closure)`` runs the closure (with gradients enabled) first, as AdamW does, and returns its loss. Clip
+  (``clip_grad_norm_``) and unscale before ``step``, as with AdamW. ``torch.amp.GradScaler.step(opt)`` hands over its
+  overflow flag and scale on the device (``_step_supports_amp_scaling``): an overflowed step is skipped, with no host
+  read. A step with no gradient to apply (nothing requires grad, or no ``.grad`` yet) changes nothing, as AdamW's,
+  and starts no engine; the step hooks (``register_step_pre_hook``, ...) run around every step.
+- AdamW's keywords are accepted at the values ZenFlow runs: ``maximize`` (either value: the gradients of a
+  ``maximize=True`` group are negated for the engine and put back after), ``amsgrad=False``, ``foreach``,
+  ``fused`` unset or False, ``capturable=False``, ``differentiable=False``; any other value is refused by name.
 - ``state_dict()`` is torch AdamW's format (full fp32 moments and a step per parameter, loadable by a plain
   ``torch.optim.AdamW``) plus the engine's exact extras under ``"zenflow"`` (the fp32 masters, the selection, the
   open window and a host update in flight), so a save and load continues bitwise. ``load_state_dict`` takes either.
+  The extras are keyed by parameter name (``model.named_parameters()``) or by position (``model.parameters()``); a
+  state loads by name when both optimizers were built with names, by position (group, index) otherwise.
+- ``copy.deepcopy(optimizer)`` (or pickling) gives an optimizer over the copied parameters that continues from the
+  original's state: it starts its own engine and worker at its first step (nothing of the original's is shared).
 - ``flush()`` applies everything in flight (the end of training: call it before saving the final model);
   ``close()`` stops the worker; as a context manager it flushes on a clean exit and closes either way. A worker that
   nobody closed is stopped at interpreter exit (and ends by itself when its parent process does), leaving no process
@@ -31,7 +40,7 @@ import atexit
 import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -45,6 +54,23 @@ STATE_KEY = "zenflow"
 """Where ``state_dict()`` keeps the engine's exact extras beside torch AdamW's ``state`` and ``param_groups``."""
 LIGHTNING_ONLY_KNOBS = ("sync_on", "log_telemetry", "checkpoint_format")
 """ZenFlowConfig fields that concern Lightning's Trainer only (its boundaries, loggers and checkpoint files)."""
+_OWN_KERNELS = "ZenFlowAdamW runs its own fused kernels on the device and the host"
+TORCH_OPTIONS: dict[str, tuple[tuple[object, ...], str]] = {
+    "amsgrad": ((False,), "ZenFlow keeps no running maximum of the second moment; leave amsgrad unset (False)"),
+    "foreach": ((None, False), f"{_OWN_KERNELS}; leave foreach unset"),
+    "fused": ((None, False), f"{_OWN_KERNELS}; leave fused unset"),
+    "capturable": (
+        (False,),
+        "ZenFlowAdamW's step hands work to a host worker process, which a CUDA graph cannot capture; leave "
+        "capturable unset (False)",
+    ),
+    "differentiable": (
+        (False,),
+        "ZenFlowAdamW's update runs outside autograd (fused kernels, a host worker); leave differentiable unset "
+        "(False)",
+    ),
+}
+"""torch.optim.AdamW's keywords that ZenFlowAdamW accepts only at these values (``maximize`` takes either), and why."""
 
 
 class ZenFlowAdamW(torch.optim.AdamW):
@@ -54,6 +80,8 @@ class ZenFlowAdamW(torch.optim.AdamW):
         params: parameters or param groups, as for ``torch.optim.AdamW`` (``model.named_parameters()`` names the
             checkpoint entries; otherwise they are named by position).
         lr, betas, eps, weight_decay: AdamW's, per param group.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: AdamW's keywords, accepted at the values
+            ZenFlow runs (:data:`TORCH_OPTIONS`); ``maximize=True`` is supported (per param group too).
         topk_ratio ... worker_timeout_s: the ZenFlow knobs, documented in
             :class:`~lightning_zenflow.config.ZenFlowConfig` (the README's table).
         ranks: the data-parallel ranks; ``None``: torch.distributed's default group when it is initialised with more
@@ -73,7 +101,13 @@ class ZenFlowAdamW(torch.optim.AdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         topk_ratio: float = 0.1,
         update_interval: int | Literal["auto"] = 4,
         select_strategy: Literal["auto", "step", "epoch"] = "auto",
@@ -100,8 +134,11 @@ class ZenFlowAdamW(torch.optim.AdamW):
         }
         # validated before anything else: a wrong knob is a clear error at construction
         config = ZenFlowConfig(**knobs)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        options = {name: value for name, value in locals().items() if name in TORCH_OPTIONS}
+        _check_torch_options(options, where="")
+        # before torch's __init__: it calls add_param_group, which reads this
         self._zenflow = _FacadeState(config=config, ranks=ranks, steps_per_epoch=steps_per_epoch)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, **options)
 
     # ------------------------------------------------------------------------------------------ the engine
     @property
@@ -121,18 +158,23 @@ class ZenFlowAdamW(torch.optim.AdamW):
         if facade.engine is None:
             names = {}
             for group_index, group in enumerate(self.param_groups):
+                given = group.get("param_names")
                 for position, param in enumerate(group["params"]):
-                    given = group.get("param_names")
-                    names[param] = given[position] if given else f"group{group_index}.param{position}"
+                    names[param] = given[position] if given else _positional_name(group_index, position)
             engine = ZenFlowEngine(
                 self,
                 facade.config,
                 param_names=names,
                 steps_per_epoch=facade.steps_per_epoch,
                 ranks=facade.ranks or _default_ranks(),
+                guard_zero_grad=False,  # zero_grad below waits for the engine itself
+                maximize_by_caller=True,  # step negates the gradients of maximize groups
             )
             facade.engine = engine.start()
             _LIVE_ENGINES.add(engine)  # stopped at interpreter exit if nobody closed it
+            copied, facade.copied_state = facade.copied_state, None
+            if copied is not None:
+                self._load_into(engine, copied)
         return facade.engine
 
     # ------------------------------------------------------------------------------------------ optimizer API
@@ -142,17 +184,47 @@ class ZenFlowAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._zenflow.closed:
+            raise RuntimeError("this ZenFlowAdamW was closed; build a new optimizer to train on.")
+        groups = self.param_groups
+        if not any(p.requires_grad and p.grad is not None for group in groups for p in group["params"]):
+            # nothing to apply: AdamW's step changes nothing then; no engine (nor worker) is started for it, and one
+            # that runs does not count it (its warm-up, windows and selection move with real steps only)
+            return loss
         engine = self._ensure_engine()
         # torch.amp.GradScaler.step hands these over on the device (_step_supports_amp_scaling)
         found_inf = getattr(self, "found_inf", None)
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:
             # gradients still scaled (GradScaler.step without unscale_ first): unscale them on the device
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            if grads:
-                torch._foreach_div_(grads, grad_scale.to(grads[0].device))
+            grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
+            torch._foreach_div_(grads, grad_scale.to(grads[0].device))
+        # AdamW(maximize=True) is AdamW on the negated gradient: the engine reads them negated and they are put back
+        # after (two passes over these gradients, in place; negation is exact)
+        maximized = [p.grad for g in groups if g.get("maximize") for p in g["params"] if p.grad is not None]
+        if maximized:
+            torch._foreach_neg_(maximized)
         engine.step(found_inf)
+        if maximized:
+            engine.wait_for_gradients()  # the compute lane waits (GPU-side) until the engine has read them
+            torch._foreach_neg_(maximized)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        engine = self._zenflow.engine
+        if engine is not None:
+            # zero_grad(set_to_none=False) writes the gradients in place: the compute lane waits (GPU-side, no host
+            # sync) until the engine's device work has read them
+            engine.wait_for_gradients()
+        super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        _check_torch_options(param_group, where=f"param group {len(self.param_groups)}: ")
+        if self._zenflow.copied_state is not None:
+            # the copied state belongs to the groups it was taken with: loaded now, the new group follows at the next
+            # step as in the original
+            self._ensure_engine()
+        super().add_param_group(param_group)
 
     def flush(self) -> None:
         """Apply everything in flight and close the open window: the weights then hold every gradient. Call it at the
@@ -180,6 +252,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         """Stop the host worker and release the engine's memory (nothing is flushed). Idempotent."""
         facade = self._zenflow
         facade.closed = True
+        facade.copied_state = None
         engine, facade.engine = facade.engine, None
         if engine is not None:
             _LIVE_ENGINES.discard(engine)
@@ -201,6 +274,9 @@ class ZenFlowAdamW(torch.optim.AdamW):
         Data parallel: every rank calls it (the host rows are gathered); the per-parameter state is on rank 0."""
         engine = self._zenflow.engine
         if engine is None:
+            copied = self._zenflow.copied_state
+            if copied is not None:  # a copy before its first step: the state it continues from
+                return {**copied, "param_groups": super().state_dict()["param_groups"]}
             return super().state_dict()
         torch_state = engine.torch_state_dict()
         torch_state[STATE_KEY] = engine.state_dict(include_moments=False)
@@ -209,27 +285,55 @@ class ZenFlowAdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take a state saved by ``state_dict()`` (exact: it continues bitwise) or a plain torch Adam/AdamW state
         (moments and steps taken over; the selection starts afresh). The param groups' hyperparameters are restored
-        too. An engine that has stepped is rebuilt first."""
-        groups_only = {"state": {}, "param_groups": state_dict["param_groups"]}
-        super().load_state_dict(groups_only)
-        engine = self._ensure_engine()
-        if STATE_KEY in state_dict:
-            engine.load_state_dict(state_dict[STATE_KEY], torch_state=state_dict)
-        else:
-            engine.load_torch_state_dict(state_dict)
+        too. An engine that has stepped is rebuilt first.
 
-    # ------------------------------------------------------------------------------------------ pickling
+        The parameters are matched by name when both optimizers were built with names (``named_parameters()``), by
+        position (param group, index in it) when either was not; the groups, their sizes and every shape must
+        match. A mismatch is an error that names it, raised before anything is loaded."""
+        if self._zenflow.closed:
+            raise RuntimeError("this ZenFlowAdamW was closed; build a new optimizer to train on.")
+        _check_fits(state_dict, self.param_groups)
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._zenflow.copied_state = None  # replaced by this state
+        self._load_into(self._ensure_engine(), state_dict)
+
+    def _load_into(self, engine: ZenFlowEngine, state_dict: Mapping[str, Any]) -> None:
+        if STATE_KEY not in state_dict:
+            engine.load_torch_state_dict(state_dict)
+            return
+        extras = dict(state_dict[STATE_KEY])
+        extras["params"] = _extras_by_engine_name(extras["params"], state_dict["param_groups"], engine)
+        engine.load_state_dict(extras, torch_state=state_dict)
+
+    # ------------------------------------------------------------------------------------------ copies, pickling
     def __getstate__(self) -> dict[str, Any]:
+        facade = self._zenflow
         state = super().__getstate__()
-        state["_zenflow_config"] = self._zenflow.config
+        state["_zenflow_config"] = facade.config
+        state["_zenflow_steps_per_epoch"] = facade.steps_per_epoch
+        # what the copy continues from (the exact state, as a save would take it: the run is left as it is), never
+        # the engine itself: its worker, pipes and shared memory belong to this optimizer
+        copied = facade.copied_state
+        if facade.engine is not None:
+            if facade.engine.ranks.world > 1:
+                raise RuntimeError(
+                    "a ZenFlowAdamW that trains data parallel cannot be copied or pickled: its state is gathered from "
+                    "every rank (a collective). Save optimizer.state_dict() on every rank instead, and load it into a "
+                    "new ZenFlowAdamW."
+                )
+            copied = self.state_dict()
+        state["_zenflow_copied_state"] = copied
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # torch's load_state_dict calls this too (with state and param_groups only): the running facade stays
         config = state.pop("_zenflow_config", None)
+        steps_per_epoch = state.pop("_zenflow_steps_per_epoch", None)
+        copied = state.pop("_zenflow_copied_state", None)
         super().__setstate__(state)
-        if "_zenflow" not in vars(self):  # unpickled: a new facade, its engine started at the first step
-            self._zenflow = _FacadeState(config=config or ZenFlowConfig(), ranks=None, steps_per_epoch=None)
+        if "_zenflow" not in vars(self):  # a copy: a new facade, its engine started at its first step
+            self._zenflow = _FacadeState(config=config or ZenFlowConfig(), ranks=None, steps_per_epoch=steps_per_epoch)
+            self._zenflow.copied_state = copied
 
     def __repr__(self) -> str:
         return f"ZenFlowAdamW({self._zenflow.config!r}, {len(self.param_groups)} param groups)"
@@ -244,6 +348,109 @@ class _FacadeState:
         self.steps_per_epoch = steps_per_epoch
         self.engine: ZenFlowEngine | None = None
         self.closed = False
+        self.copied_state: dict[str, Any] | None = None
+        """A copy's (``copy.deepcopy``, unpickling) state from the original, loaded when its engine starts."""
+
+
+def _check_torch_options(options: Mapping[str, object], where: str) -> None:
+    for name, (accepted, fix) in TORCH_OPTIONS.items():
+        if name in options and options[name] not in accepted:
+            raise ValueError(f"{where}{name}={options[name]!r} is not supported: {fix}.")
+
+
+def _positional_name(group_index: int, position: int) -> str:
+    """A parameter's name in the engine's state when the optimizer was built without names."""
+    return f"group{group_index}.param{position}"
+
+
+def _label(groups: list[dict[str, Any]], group_index: int, position: int) -> str:
+    names = groups[group_index].get("param_names")
+    return repr(names[position]) if names else f"param group {group_index} index {position}"
+
+
+def _check_fits(state_dict: Mapping[str, Any], groups: list[dict[str, Any]]) -> None:
+    """Raise ``ValueError`` naming what differs when ``state_dict`` was saved for other parameters than ``groups``: the
+    groups and their sizes, the names where both sides have them, the shapes. Reads only."""
+    saved_groups = state_dict["param_groups"]
+    sizes = [len(group["params"]) for group in groups]
+    saved_sizes = [len(group["params"]) for group in saved_groups]
+    if sizes != saved_sizes:
+        raise ValueError(
+            f"the saved optimizer state has {len(saved_sizes)} param group(s) of {saved_sizes} parameters, this "
+            f"optimizer {len(sizes)} of {sizes}: build it over the same parameters, in the same param groups and "
+            "order, as the optimizer that saved the state."
+        )
+    if all("param_names" in group for group in saved_groups + groups):
+        renamed = [
+            f"{saved!r} (saved) is {own!r} here"
+            for saved_group, group in zip(saved_groups, groups)
+            for saved, own in zip(saved_group["param_names"], group["param_names"])
+            if saved != own
+        ]
+        if renamed:
+            raise ValueError(
+                "the saved optimizer state names other parameters than this optimizer, position by position: "
+                + "; ".join(renamed[:5])
+                + (f"; and {len(renamed) - 5} more" if len(renamed) > 5 else "")
+                + ". Build the optimizer from the same model's named_parameters(), in the same order; to load by "
+                "position instead, build it from model.parameters()."
+            )
+    saved_state = state_dict.get("state", {})
+    extras = state_dict.get(STATE_KEY, {}).get("params", {})
+    differences = []
+    for group_index, (saved_group, group) in enumerate(zip(saved_groups, groups)):
+        for position, (saved_id, param) in enumerate(zip(saved_group["params"], group["params"])):
+            key = _saved_key(extras, saved_group, group_index, position)
+            entry = extras[key] if key is not None else None
+            saved = [
+                saved_state.get(saved_id, {}).get("exp_avg"),
+                entry.get("master") if isinstance(entry, Mapping) else None,
+            ]
+            shapes = {tuple(value.shape) for value in saved if isinstance(value, torch.Tensor)}
+            if shapes - {tuple(param.shape)}:
+                differences.append(
+                    f"{_label(groups, group_index, position)}: saved {sorted(shapes)[0]}, here {tuple(param.shape)}"
+                )
+    if differences:
+        raise ValueError(
+            "the saved optimizer state is for parameters of other shapes: "
+            + "; ".join(differences[:5])
+            + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
+            + ". It belongs to a different model."
+        )
+
+
+def _saved_key(
+    extras: Mapping[str, Any], saved_group: Mapping[str, Any], group_index: int, position: int
+) -> str | None:
+    """Where the engine's extras keep a saved parameter: under its name, or its position when it had none (a group
+    added after the engine started is named by position too)."""
+    names = saved_group.get("param_names")
+    for key in ([names[position]] if names else []) + [_positional_name(group_index, position)]:
+        if key in extras:
+            return key
+    return None
+
+
+def _extras_by_engine_name(
+    extras: Mapping[str, Any], saved_groups: list[Mapping[str, Any]], engine: ZenFlowEngine
+) -> dict[str, Any]:
+    """The saved extras re-keyed by the names of ``engine`` (its optimizer's parameters at the same positions, checked
+    by :func:`_check_fits`). Entries left over stay under their own key, for the engine's check to report them (a
+    parameter trainable on one side only)."""
+    engine_names = {id(slot.param): slot.name for group in engine.layout for slot in group.matrices}
+    engine_names.update({id(entry.param): entry.name for group in engine.layout for entry in group.device_only})
+    renamed, used = {}, set()
+    for group_index, (saved_group, group) in enumerate(zip(saved_groups, engine.optimizer.param_groups)):
+        for position, param in enumerate(group["params"]):
+            key = _saved_key(extras, saved_group, group_index, position)
+            if key is not None and id(param) in engine_names:
+                renamed[engine_names[id(param)]] = extras[key]
+                used.add(key)
+    for key, entry in extras.items():
+        if key not in used:
+            renamed.setdefault(key, entry)
+    return renamed
 
 
 def _default_ranks() -> Ranks:

@@ -73,6 +73,11 @@ class ZenFlowEngine(EngineLifecycle):
         stage_delays: test hook, ``{stage: seconds}`` delays each asynchronous stage (see ``engine/lanes.py``).
         ranks: the data-parallel ranks (``engine/ranks.py``); the host state is sharded across them by rows. The
             gradients must be the same on every rank (all-reduced) when :meth:`step` is called.
+        guard_zero_grad: make the optimizer's ``zero_grad`` wait until the engine has read the gradients (an instance
+            attribute, removed at ``close``). ``False``: its own ``zero_grad`` calls :meth:`wait_for_gradients`
+            (``ZenFlowAdamW``'s does).
+        maximize_by_caller: accept ``maximize=True`` param groups: the caller negates their gradients before
+            :meth:`step` (``ZenFlowAdamW.step`` does); otherwise they are refused.
     """
 
     # ------------------------------------------------------------------------------------------------ the step
@@ -88,7 +93,7 @@ class ZenFlowEngine(EngineLifecycle):
         self.helper.raise_failures()
         self.lanes.raise_failures()
         if self._groups_signature() != self._layout_signature:
-            check_optimizer(self.optimizer)
+            check_optimizer(self.optimizer, allow_maximize=self._maximize_by_caller)
             engine_state.follow_param_groups(self)
         if self.accumulation is None:
             check_dense_gradients(self.layout)

@@ -138,7 +138,15 @@ def build_layout(
                 )
             if param.ndim >= 2:
                 if not param.is_contiguous():
-                    raise ValueError(f"parameter {name} is not contiguous; call .contiguous() on it before training.")
+                    # the device update and the landings write the weights through param.data.view(rows, cols): a
+                    # strided tensor has no such view, and writing into a copy (reshape) would never reach the model
+                    raise ValueError(
+                        f"parameter {name} is not contiguous (shape {tuple(param.shape)}, strides {param.stride()}): "
+                        "ZenFlow updates each matrix in place through a [rows, columns] view of its memory, which a "
+                        "non-contiguous tensor does not have. Make it contiguous before building the optimizer "
+                        "(strategy: before fit): `param.data = param.data.contiguous()` for each such parameter, or "
+                        "keep the model in torch.contiguous_format (a model moved to channels_last has such weights)."
+                    )
                 rows = param.shape[0]
                 row_start, row_stop = ranks.own_rows(rows)
                 slot = MatrixSlot(

@@ -49,9 +49,13 @@ class EngineLifecycle:
         host_fail_at: int | None = None,
         stage_delays: Mapping[str, float] | None = None,
         ranks: Ranks | None = None,
+        guard_zero_grad: bool = True,
+        maximize_by_caller: bool = False,
     ) -> None:
-        check_optimizer(optimizer)
+        check_optimizer(optimizer, allow_maximize=maximize_by_caller)
         self.optimizer = optimizer
+        self._guard_zero_grad = guard_zero_grad
+        self._maximize_by_caller = maximize_by_caller
         self.config = config
         self.ranks = ranks or Ranks()
         self._decoupled_default = isinstance(optimizer, torch.optim.AdamW)
@@ -142,7 +146,9 @@ class EngineLifecycle:
         self.landing = Landing(self.helper)
         self._worker = None
         self._started = True
-        self._zero_grad_guard = ZeroGradGuard(self.optimizer, self.wait_for_gradients)
+        self._zero_grad_guard = None
+        if self._guard_zero_grad:
+            self._zero_grad_guard = ZeroGradGuard(self.optimizer, self.wait_for_gradients)
         try:
             if self.device.type == "cuda":
                 self._pinned = pin_host_buffers(self.layout, self.host_buffers)
@@ -198,7 +204,8 @@ class EngineLifecycle:
         if not self._started:
             return
         self._started = False
-        self._zero_grad_guard.remove()
+        if self._zero_grad_guard is not None:
+            self._zero_grad_guard.remove()
         helper = getattr(self, "helper", None)
         if helper is not None:
             helper.shutdown()
