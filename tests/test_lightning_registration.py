@@ -141,21 +141,14 @@ def test_unsupported_precision_fails_when_the_trainer_is_built(precision: str) -
 # ------------------------------------------------------------------------------------ errors at fit, before training
 
 
-class _ManualModule(TinyModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-
 @pytest.mark.parametrize(
     ("module", "match"),
     [
         (lambda: TinyModule(optimizer="sgd"), r"returned torch\.optim\.sgd\.SGD\. Return torch\.optim\.AdamW"),
         (lambda: TinyModule(optimizer="two"), r"exactly one optimizer.*single torch\.optim\.AdamW"),
         (lambda: TinyModule(amsgrad=True), r"amsgrad=True.*amsgrad=False"),
-        (_ManualModule, r"automatic_optimization=False"),
     ],
-    ids=["sgd", "two-optimizers", "amsgrad", "manual-optimization"],
+    ids=["sgd", "two-optimizers", "amsgrad"],
 )
 def test_unsupported_training_setups_fail_before_the_first_step(module, match: str) -> None:  # noqa: ANN001
     model = module()

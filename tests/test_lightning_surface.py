@@ -17,7 +17,6 @@ import lightning
 import pytest
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning, Callback, ModelCheckpoint
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_helpers import TinyModule, assert_weights_close, assert_weights_equal, fit, weights
 from torch import nn
 
@@ -221,11 +220,12 @@ class _GAN(TinyModule):
         second.zero_grad()
 
 
-def test_a_gan_is_refused_with_advice_that_can_be_followed() -> None:
-    with pytest.raises(MisconfigurationException) as raised:
-        fit(ZenFlowStrategy(), _GAN())
-    assert "lightning_zenflow.ZenFlowAdamW" in str(raised.value)
-    assert "strategy='auto'" in str(raised.value)
+def test_a_gan_trains_under_the_strategy_with_an_engine_per_optimizer() -> None:
+    """Manual optimization with two optimizers (``strategies/manual.py``): each is a ZenFlowAdamW, both train."""
+    initial = weights(TinyModule())
+    module, trainer = fit(ZenFlowStrategy(topk_ratio=0.25, update_interval=2), _GAN())
+    assert [type(opt).__name__ for opt in trainer.optimizers] == ["ZenFlowAdamW", "ZenFlowAdamW"]
+    assert all(not value.equal(initial[name]) for name, value in weights(module).items())
 
 
 # ---------------------------------------------------------------------------------- Lightning's own tools

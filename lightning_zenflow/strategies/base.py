@@ -28,6 +28,7 @@ from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state_checks import check_state, state_dict_mismatch, unreadable_checkpoint
+from lightning_zenflow.strategies.manual import ManualOptimizers
 from lightning_zenflow.strategies.precision import ZenFlowPrecision
 from lightning_zenflow.strategies.sharded import (
     FORMAT_KEY,
@@ -78,6 +79,7 @@ class ZenFlowStrategyBase:
         self.engine: ZenFlowEngine | None = None
         # after fit: (torch state or None, engine state, matrix shapes or None), for trainer.save_checkpoint
         self._final_state: tuple[dict | None, dict, dict | None] | None = None
+        self._manual: ManualOptimizers | None = None
         self._checkpoint_path: str | None = None
         self._own_callbacks: list[Callback] = []
 
@@ -116,8 +118,12 @@ class ZenFlowStrategyBase:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._check_optimizers(trainer)
         self._final_state = None
+        self._manual = None
+        if not trainer.lightning_module.automatic_optimization:
+            self._setup_manual(trainer)
+            return
+        self._check_optimizers(trainer)
         optimizer, names = self._engine_parameters()
         self.engine = ZenFlowEngine(
             optimizer, self.zenflow_config, param_names=names, ranks=self._engine_ranks()
@@ -138,19 +144,13 @@ class ZenFlowStrategyBase:
             if "multiple optimizers" not in str(error):
                 raise
             raise MisconfigurationException(
-                "ZenFlowStrategy supports exactly one optimizer and automatic optimization; configure_optimizers "
+                "ZenFlowStrategy supports exactly one optimizer under automatic optimization; configure_optimizers "
                 "returned several. Return a single torch.optim.AdamW, with one param group per setting if the "
-                "parameters need different hyperparameters."
+                "parameters need different hyperparameters, or step them yourself (automatic_optimization=False: "
+                "each optimizer then gets its own engine)."
             ) from error
 
     def _check_module(self, module: pl.LightningModule) -> None:
-        if not module.automatic_optimization:
-            raise MisconfigurationException(
-                "ZenFlowStrategy owns the optimizer step and needs automatic optimization; this LightningModule sets "
-                "automatic_optimization=False. If it can, let Lightning call backward and step (remove that line and "
-                "return the loss); a module that needs manual optimization (a GAN's two optimizers, for one) keeps "
-                "it under strategy='auto' and builds each optimizer as lightning_zenflow.ZenFlowAdamW(...) instead."
-            )
         for name, submodule in module.named_modules():
             sparse = isinstance(submodule, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and submodule.sparse
             if sparse and submodule.weight.requires_grad:
@@ -182,6 +182,30 @@ class ZenFlowStrategyBase:
         if trainer.gradient_clip_algorithm not in (None, "norm", "value"):
             raise MisconfigurationException(f"unknown gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}.")
 
+    def _setup_manual(self, trainer: pl.Trainer) -> None:
+        """Manual optimization: every optimizer becomes a ZenFlowAdamW with its own engine (``manual.py``)."""
+        if self.world_size > 1 or not self._manual_supported:
+            raise MisconfigurationException(
+                f"{type(self).__name__} runs manual optimization (automatic_optimization=False) on one device only; "
+                "train it with strategy='zenflow' on one device, or let Lightning call backward and step (automatic "
+                "optimization) to train data parallel."
+            )
+        if self._sharded_checkpoints:
+            raise MisconfigurationException(
+                "checkpoint_format='sharded' is for one engine's row blocks; with manual optimization each optimizer "
+                "saves its state in the checkpoint file: use checkpoint_format='full'."
+            )
+        names = {param: name for name, param in trainer.lightning_module.named_parameters()}
+        steps = trainer.num_training_batches
+        steps_per_epoch = steps if isinstance(steps, int) and steps > 0 else None
+        self._manual = ManualOptimizers(self.optimizers, self.zenflow_config, names, steps_per_epoch)
+        self.optimizers = self._manual.facades
+        self.precision_plugin.manual = self._manual
+        self._install_callbacks(trainer)
+
+    _manual_supported = True
+    """False where manual optimization is refused (FSDP2)."""
+
     def _install_callbacks(self, trainer: pl.Trainer) -> None:
         self._own_callbacks = [_SyncBoundaries(self)]
         if self.zenflow_config.log_telemetry and not any(isinstance(c, ZenFlowTelemetry) for c in trainer.callbacks):
@@ -210,6 +234,8 @@ class ZenFlowStrategyBase:
         if self.engine is not None:
             self.engine.flush()
             self.engine.wait_for_update()
+        if self._manual is not None:
+            self._manual.flush()
         super().on_train_end()
 
     def adopt_weights(self) -> None:
@@ -218,6 +244,8 @@ class ZenFlowStrategyBase:
         if self.engine is not None:
             self.engine.adopt_weights()
             self.engine.wait_for_update()
+        if self._manual is not None:
+            self._manual.adopt_weights()
 
     def sync(self) -> None:
         """Apply the host update in flight (if fitting); the model then holds every finished update."""
@@ -225,6 +253,8 @@ class ZenFlowStrategyBase:
             self.engine.sync()
             # GPU-side: whatever reads the weights next on the compute stream runs after the side stream's writes
             self.engine.wait_for_update()
+        if self._manual is not None:
+            self._manual.sync()
 
     @override
     def on_validation_start(self) -> None:
@@ -260,6 +290,9 @@ class ZenFlowStrategyBase:
         super().teardown()
 
     def _close_engine(self, cache_state: bool) -> None:
+        if self._manual is not None:
+            self.precision_plugin.manual = None
+            self._manual.close(cache_state)  # its states stay readable for a checkpoint saved after the fit
         view = getattr(self, "_state_view", None)
         if view is not None:
             view.remove()
@@ -298,6 +331,9 @@ class ZenFlowStrategyBase:
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        manual_state = self._manual.state_of(optimizer) if self._manual is not None else None
+        if manual_state is not None:
+            return manual_state
         if self._sharded_checkpoints and (self.engine is not None or self._final_state is not None):
             # the moments go into the sharded directory (save_checkpoint), not into one consolidated dict
             return {"state": {}, "param_groups": torch.optim.Optimizer.state_dict(optimizer)["param_groups"]}
@@ -429,6 +465,9 @@ class ZenFlowStrategyBase:
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self._manual is not None:
+            self._manual.load(checkpoint["optimizer_states"], f"cannot resume from {self._checkpoint_path or 'it'}")
+            return
         if self.engine is None:
             super().load_optimizer_state_dict(checkpoint)
             return

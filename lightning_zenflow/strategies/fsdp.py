@@ -151,6 +151,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         timeout: bound on every collective (see ``strategies/base.py``'s ``COLLECTIVE_TIMEOUT``).
     """
 
+    _manual_supported = False  # manual optimization: one device only (strategies/manual.py)
     strategy_name = "zenflow_fsdp"
 
     def __init__(

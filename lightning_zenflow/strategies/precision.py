@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_zenflow.engine import ZenFlowEngine
+    from lightning_zenflow.strategies.manual import ManualOptimizers
 
 SUPPORTED_PRECISION = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 _PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
@@ -63,6 +64,8 @@ class ZenFlowPrecision(Precision):
         self.engine: ZenFlowEngine | None = None
         self.before_engine_step: Callable[[], None] | None = None
         """Set by the strategy while fitting."""
+        self.manual: ManualOptimizers | None = None
+        """Manual optimization: the optimizers' engines (``strategies/manual.py``), set by the strategy."""
 
     @classmethod
     def from_plugin(cls, plugin: Precision) -> ZenFlowPrecision:
@@ -78,6 +81,7 @@ class ZenFlowPrecision(Precision):
         wrapped._inner = plugin
         wrapped.engine = None
         wrapped.before_engine_step = None
+        wrapped.manual = None
         return wrapped
 
     @property
@@ -94,6 +98,10 @@ class ZenFlowPrecision(Precision):
         **kwargs: Any,
     ) -> Any:
         if self.engine is None:
+            if self.manual is not None:
+                # manual optimization: the optimizer is a ZenFlowAdamW with its own engine; Lightning's plugin steps
+                # it as it steps any optimizer (GradScaler.step hands it the overflow flag on the device)
+                return self._inner.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             raise RuntimeError("ZenFlowPrecision.optimizer_step was called without a running ZenFlow engine.")
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
@@ -128,6 +136,8 @@ class ZenFlowPrecision(Precision):
             # backward writes the gradients (accumulating micro-batches, DDP's bucket views): GPU-side, after the
             # engine's device work of the last step has read them
             self.engine.wait_for_gradients()
+        if self.manual is not None:
+            self.manual.wait_for_gradients()  # the same for every optimizer's engine
         return self._inner.pre_backward(tensor, module)
 
     # ----------------------------------------------------------------------------------- delegation
@@ -169,6 +179,7 @@ class ZenFlowPrecision(Precision):
     def teardown(self) -> None:
         self.engine = None
         self.before_engine_step = None
+        self.manual = None
         self._inner.teardown()
 
 
