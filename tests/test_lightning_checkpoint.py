@@ -261,3 +261,45 @@ def test_the_optimizer_lightning_hands_out_shows_the_engine_state(aligned_run: R
     unwatched = _run(ALIGNED, {"scheduler": "step"}, tmp_path / "unwatched", ckpt_path=aligned_run.checkpoints[1])
     assert_weights_equal(weights(resumed.module), weights(unwatched.module))
     assert "state_dict" not in vars(resumed.trainer.optimizers[0])
+
+
+class _Backboned(TinyModule):
+    """A ``backbone`` (the first layer) that ``BackboneFinetuning`` freezes, then unfreezes into a new param group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = self.net[0]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+@pytest.mark.parametrize("knobs", [{"topk_ratio": 1.0}, {"topk_ratio": 0.25, "update_interval": 2}], ids=str)
+def test_a_backbone_finetuning_run_resumes_after_the_unfreeze(tmp_path: pathlib.Path, knobs: dict) -> None:
+    """Lightning's ``BackboneFinetuning`` re-adds the backbone's param group when a fit resumes (after the engine was
+    built, before the optimizer state is loaded), with the backbone frozen again: the state of every parameter the
+    checkpoint holds is taken, and the fit goes on. With every column on the device it equals plain Lightning."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    def fit_twice(strategy: Any, directory: pathlib.Path) -> TinyModule:
+        saver = ModelCheckpoint(dirpath=directory, save_last=True)
+        first = make_trainer(
+            strategy(),
+            root_dir=directory,
+            max_epochs=2,
+            enable_checkpointing=True,
+            callbacks=[saver, BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+        )
+        first.fit(_Backboned())
+        module = _Backboned()
+        second = make_trainer(
+            strategy(), root_dir=directory, max_epochs=3, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+        )
+        second.fit(module, ckpt_path=saver.last_model_path)
+        assert second.global_step == 24
+        return module
+
+    zenflow = fit_twice(lambda: ZenFlowStrategy(full_warm_up_rounds=0, **knobs), tmp_path / "zenflow")
+    plain = fit_twice(lambda: "auto", tmp_path / "plain")
+    if knobs["topk_ratio"] == 1.0:
+        assert_weights_close(weights(zenflow), weights(plain))

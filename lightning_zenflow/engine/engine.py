@@ -92,9 +92,7 @@ class ZenFlowEngine(EngineLifecycle):
         self.merge_cache = None  # the state moves on
         self.helper.raise_failures()
         self.lanes.raise_failures()
-        if self._groups_signature() != self._layout_signature:
-            check_optimizer(self.optimizer, allow_maximize=self._maximize_by_caller)
-            engine_state.follow_param_groups(self)
+        self.follow_optimizer()
         if self.accumulation is None:
             check_dense_gradients(self.layout)
             self._choose_accumulation()
@@ -437,6 +435,14 @@ class ZenFlowEngine(EngineLifecycle):
         """:meth:`state_dict` with each matrix as this rank's row block, without a collective (sharded checkpoints,
         ``engine/state.py``); :meth:`load_state_dict` takes it back into an engine whose rank owns the same rows."""
         return engine_state.engine_row_blocks(self)
+
+    def follow_optimizer(self) -> None:
+        """Take the optimizer's param groups and trainable parameters as they are now, if they changed (each step does
+        this first). Before a state is loaded, after something changed the groups (Lightning's ``BaseFinetuning``
+        re-adds the groups it unfroze when a fit resumes, before the optimizer state is loaded)."""
+        if self._groups_signature() != self._layout_signature:
+            check_optimizer(self.optimizer, allow_maximize=self._maximize_by_caller)
+            engine_state.follow_param_groups(self)
 
     def load_state_dict(self, state_dict: Mapping, torch_state: Mapping | None = None) -> None:
         """Restore :meth:`state_dict` into a started engine that has not stepped yet. Moments missing from

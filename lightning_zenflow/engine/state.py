@@ -345,8 +345,40 @@ def _param_shapes(engine: ZenFlowEngine) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in _param_names(engine).items()}
 
 
+def _frozen_in_groups(engine: ZenFlowEngine, state: Mapping) -> list[torch.Tensor]:
+    """Parameters that ``state`` holds and that are in the optimizer's groups but frozen now (Lightning's
+    ``BaseFinetuning`` re-adds the groups of a backbone it unfroze when a fit resumes, with the backbone frozen
+    again). Plain AdamW keeps their state; so does the engine (:func:`load_engine_state_dict`)."""
+    saved = state.get("params") if isinstance(state, Mapping) else None
+    if not isinstance(saved, Mapping):
+        return []
+    return [
+        param
+        for group in engine.optimizer.param_groups
+        for param in group["params"]
+        if not param.requires_grad and engine._names.get(id(param)) in saved
+    ]
+
+
 def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: Mapping | None) -> None:
     _check_fresh(engine, "load_state_dict")
+    frozen = _frozen_in_groups(engine, state)
+    if not frozen:
+        _load_engine_state_dict(engine, state, torch_state)
+        return
+    # loaded as saved, with those parameters trainable; at the next step the engine follows the groups as they are
+    # (a sync boundary): the frozen ones are parked with their exact state, for when they train again
+    for param in frozen:
+        param.requires_grad_(True)
+    try:
+        engine.follow_optimizer()
+        _load_engine_state_dict(engine, state, torch_state)
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
+
+
+def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: Mapping | None) -> None:
     engine.merge_cache = None
     # everything is validated before anything is written: a bad state leaves the engine untouched
     check_state(state, _param_shapes(engine))

@@ -490,6 +490,8 @@ class ZenFlowStrategyBase:
                 f"{where}: it has {len(torch_state['param_groups'])} param groups, configure_optimizers built "
                 f"{len(optimizer.param_groups)}; resume with the same optimizer setup."
             )
+        # the groups as they are now (a callback such as BaseFinetuning may have re-added some since the setup)
+        self.engine.follow_optimizer()
         # the engine validates everything before it writes anything: a failed load leaves it untouched
         try:
             self._load_engine_state(checkpoint, torch_state)
