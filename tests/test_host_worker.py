@@ -644,3 +644,25 @@ def test_a_worker_forked_from_the_preloaded_server_computes_what_a_spawned_one_d
     finally:
         spares.start_workers_preloaded(False)
     assert spares.start_method() == "spawn"
+
+
+@pytest.mark.spawned_workers
+def test_a_stopped_worker_exits_with_status_zero() -> None:
+    """A worker told to stop returns from its loop and joins its heartbeat thread before the interpreter exits: a
+    daemon thread caught inside a torch op at exit is ended by pthread_exit, which once aborted a cleanly stopped
+    worker (SIGABRT, "terminate called without an active exception"). Several stops, each with its exit status."""
+    codes = []
+    for _ in range(3):
+        worker = HostWorker(_spec(), timeout_s=10.0)
+        process = worker.process
+        close_process = process.close
+
+        def record_then_close(process=process, close_process=close_process) -> None:
+            codes.append(process.exitcode)
+            close_process()
+
+        process.close = record_then_close
+        worker.submit(0, [_job()])
+        worker.wait()
+        worker.close()
+    assert codes == [0, 0, 0]

@@ -291,6 +291,10 @@ def _serve(
                 conn.send(("error", seq, traceback.format_exc()))
     finally:
         stop.set()
+        # thread join (at most one clock write): a daemon thread still inside a torch op when the interpreter exits
+        # is ended with pthread_exit, whose unwinding through C++ frames aborts the process ("terminate called
+        # without an active exception", SIGABRT) after a clean stop
+        beat.join()
 
 
 def _wait_for_adoption(conn: multiprocessing.connection.Connection) -> WorkerSpec | None:
