@@ -16,7 +16,9 @@ directly.
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 import time
 from contextlib import suppress
 from datetime import timedelta
@@ -33,9 +35,15 @@ from typing_extensions import override
 
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.strategies.base import COLLECTIVE_TIMEOUT, ZenFlowStrategyBase, zenflow_knobs
+from lightning_zenflow.strategies.rank_guard import StuckRankGuard
 
 SIBLING_GRACE_S = 10.0
 """After a failure, the launching rank lets the ranks it started end cleanly this long before it kills them."""
+
+
+def _kill(pid: int | None) -> None:
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
 
 
 class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
@@ -155,6 +163,25 @@ class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
         # weights, and the engine copies the weights into its host masters right after; on a side stream nothing
         # orders that copy after the broadcast.
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        engine = self.engine
+        if engine is not None and self.world_size > 1 and threading.current_thread() is threading.main_thread():
+            # a SIGTERM while this rank waits in a collective ends it in about a second (strategies/rank_guard.py)
+            self._rank_guard = StuckRankGuard(lambda: _kill(engine.worker_pid))
+
+    @override
+    def teardown(self) -> None:
+        self._remove_rank_guard()
+        super().teardown()
+
+    def _remove_rank_guard(self) -> None:
+        guard = getattr(self, "_rank_guard", None)
+        if guard is not None:
+            guard.remove()
+            self._rank_guard = None
 
     @override
     def on_exception(self, exception: BaseException) -> None:
