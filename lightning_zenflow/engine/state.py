@@ -27,6 +27,7 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.device import DeviceUpdater
 from lightning_zenflow.engine.interim import InterimMoves
+from lightning_zenflow.engine.interim_state import absorb_interim_steps, load_interim, masters_from_interim_state
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, MatrixSlot, staging_view
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.schedule import Schedule
@@ -194,7 +195,7 @@ def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
-    _load_interim(engine, entries)
+    load_interim(engine, entries)
     engine.synchronize_device()
 
 
@@ -228,79 +229,6 @@ def follow_param_groups(engine: ZenFlowEngine) -> None:
     schedule.last_select_t = None if new_matrices else old.last_select_t
     # a parameter that trains again starts from its weights as they are (frozen, nothing moved them but the user)
     carry_into(engine, carried, from_weights=returning)
-
-
-def _masters_from_interim_state(engine: ZenFlowEngine, group_index: int, pending: object, params: Mapping) -> None:
-    """A state saved with interim moves, loaded under the paper's rule: its host masters are set from the weights,
-    where they live under interim moves, and a step in flight becomes the new masters it lands as
-    (``weights * decay + step``), so it lands by the paper's copy. Before the selection is installed."""
-    host = engine.host_buffers[group_index]
-    landing = {}
-    if pending is not None and pending.scales is not None:
-        landing = dict(zip(pending.active[group_index], pending.scales[group_index]))
-        pending.scales[group_index] = []
-    with torch.no_grad():
-        for index, slot in enumerate(engine.layout[group_index].matrices):
-            own = slot.param.detach().view(slot.rows, slot.cols)[slot.row_start : slot.row_stop].cpu()
-            master = slot.view2d(host.master)
-            if index in landing:
-                scale = landing[index]
-                saved_selected = params[slot.name]["selected"].to(torch.long)
-                device_columns = master.index_select(1, saved_selected)  # the saved device masters
-                master.copy_((own if scale == 1.0 else own * scale) + master)
-                master.index_copy_(1, saved_selected, device_columns)
-            else:
-                master.copy_(own)
-    if pending is not None and pending.scales is not None and not any(pending.scales):
-        pending.scales = None
-
-
-def _absorb_interim_steps(engine: ZenFlowEngine, pending: object, all_on_device: list, params: Mapping) -> None:
-    """Interim moves on both sides of a load, and a matrix with a saved step in flight now entirely on the device: the
-    step lands at the load (weights decayed plus the step, the saved device columns as they were), into the weights
-    and the device masters, as the paper's rule takes such an update into the device masters."""
-    states = engine.device_updater.selected
-    with torch.no_grad():
-        for group_index, (indices, scales) in enumerate(zip(pending.active, pending.scales)):
-            host = engine.host_buffers[group_index]
-            for index, scale in zip(indices, scales):
-                if not all_on_device[group_index][index]:
-                    continue
-                state = states[group_index][index]
-                slot = state.slot
-                weights2d = slot.param.data.view(slot.rows, slot.cols)
-                own = weights2d[slot.row_start : slot.row_stop]
-                step = slot.view2d(host.master).to(own.device)
-                saved_selected = params[slot.name]["selected"].to(device=own.device, dtype=torch.long)
-                kept = own.index_select(1, saved_selected)
-                own.mul_(scale).add_(step)
-                own.index_copy_(1, saved_selected, kept)
-                engine.ranks.share_rows_many([weights2d])
-                state.master.copy_(weights2d.index_select(1, state.selected))
-
-
-def _load_interim(engine: ZenFlowEngine, entries: Mapping[str, Mapping]) -> None:
-    """``interim_step``: the moves' statistics by name, and the selected columns' device masters from the weights
-    where the weights are the masters: every selected column with fp32 weights; with bf16 weights only the columns
-    that were host columns when the state was saved (the others took their saved fp32 device masters at the
-    migration, which the bf16 weights only round)."""
-    if engine.interim is None:
-        return
-    with torch.no_grad():
-        for state in engine.device_updater.matrix_states():
-            entry = entries.get(state.slot.name, {})
-            engine.interim.load(entry, state)
-            if not state.k:
-                continue
-            weights2d = state.slot.param.detach().view(state.slot.rows, state.slot.cols)
-            if weights2d.dtype == torch.float32 or "selected" not in entry:
-                state.master.copy_(weights2d.index_select(1, state.selected))
-                continue
-            was_host = ~torch.isin(state.selected_host, entry["selected"].to(torch.long))
-            if was_host.any():
-                positions = was_host.nonzero().flatten().to(state.master.device)
-                columns = state.selected.index_select(0, positions)
-                state.master.index_copy_(1, positions, weights2d.index_select(1, columns).float())
 
 
 def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
@@ -430,7 +358,7 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
             selected.append(chosen)
             device_steps.append(int(entry["device_step"]))
         if state.get("interim") and engine.interim is None:
-            _masters_from_interim_state(engine, group_index, engine.schedule.pending, params)
+            masters_from_interim_state(engine, group_index, engine.schedule.pending, params)
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
             entry = params[device_entry.name]
             with torch.no_grad():
@@ -441,7 +369,7 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
-    _load_interim(engine, params)
+    load_interim(engine, params)
     engine.restore_window_sums(window_sums, row_blocks=row_blocks)
     pending = engine.schedule.pending
     if pending is not None:
@@ -450,7 +378,7 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
         all_on_device = [[next(flat).numel() == slot.cols for slot in group.matrices] for group in engine.layout]
         if pending.scales is not None:
             if engine.interim is not None:
-                _absorb_interim_steps(engine, pending, all_on_device, params)
+                absorb_interim_steps(engine, pending, all_on_device, params)
             pending.scales = [
                 [scale for i, scale in zip(a, pending.scales[g]) if not all_on_device[g][i]]
                 for g, a in enumerate(pending.active)

@@ -29,6 +29,7 @@ from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_opti
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state_checks import check_state, state_dict_mismatch, unreadable_checkpoint
 from lightning_zenflow.strategies.manual import ManualOptimizers
+from lightning_zenflow.strategies.optimizer_view import OptimizerStateView
 from lightning_zenflow.strategies.precision import ZenFlowPrecision
 from lightning_zenflow.strategies.sharded import (
     FORMAT_KEY,
@@ -133,7 +134,7 @@ class ZenFlowStrategyBase:
         if optimizer is self.optimizers[0] and self.engine.ranks.world == 1:
             # one process: the optimizer Lightning hands out shows the engine's state (a gather under data
             # parallel would need every rank, so there it keeps torch's own, empty, state)
-            self._state_view = _OptimizerStateView(optimizer, self)
+            self._state_view = OptimizerStateView(optimizer, self)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -507,33 +508,6 @@ class ZenFlowStrategyBase:
             self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
         else:
             self.engine.load_torch_state_dict(torch_state)
-
-
-class _OptimizerStateView:
-    """While ZenFlow trains, the user's optimizer's ``state_dict()`` is the engine's state in torch AdamW's format
-    (the moments and steps a checkpoint holds; reading it waits for the update in flight to finish computing and
-    changes nothing), and its ``load_state_dict()`` loads into the engine. Undone by :meth:`remove`."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, strategy: ZenFlowStrategyBase) -> None:
-        self.optimizer = optimizer
-
-        def state_dict() -> dict[str, Any]:
-            return strategy.optimizer_state(optimizer)
-
-        def load_state_dict(state_dict: dict[str, Any]) -> None:
-            if strategy.engine is None:
-                return torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
-            strategy.engine.load_torch_state_dict(state_dict)
-            for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
-                group.update({key: value for key, value in saved.items() if key != "params"})
-            return None
-
-        optimizer.state_dict = state_dict  # type: ignore[method-assign]
-        optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        for name in ("state_dict", "load_state_dict"):
-            vars(self.optimizer).pop(name, None)
 
 
 class _SyncBoundaries(Callback):
