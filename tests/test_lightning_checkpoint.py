@@ -303,3 +303,14 @@ def test_a_backbone_finetuning_run_resumes_after_the_unfreeze(tmp_path: pathlib.
     plain = fit_twice(lambda: "auto", tmp_path / "plain")
     if knobs["topk_ratio"] == 1.0:
         assert_weights_close(weights(zenflow), weights(plain))
+
+
+def test_the_module_state_of_a_module_connected_without_a_trainer() -> None:
+    """``strategy.connect(module)`` without a Trainer (as Lightning's checkpoint tests do): its state is the
+    module's, with nothing to sync."""
+    strategy = ZenFlowStrategy(sync_on=("checkpoint",))
+    module = TinyModule()
+    strategy.connect(module)
+    state = strategy.lightning_module_state_dict()
+    assert state.keys() == module.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())

@@ -125,3 +125,20 @@ def test_manual_optimization_is_refused_where_it_is_not_supported() -> None:
 
     with pytest.raises(MisconfigurationException, match="optimizer 0 of configure_optimizers is torch.optim.sgd.SGD"):
         _fit(WithSGD(), ZenFlowStrategy())
+
+
+def test_the_scheduler_names_the_optimizer_that_steps_and_the_monitor_logs_one_series(tmp_path: pathlib.Path) -> None:
+    """The StepLR built on the user's AdamW now names its ZenFlowAdamW: LearningRateMonitor logs one learning rate
+    (not one per object), and torch's scheduler checks raise no warning."""
+    import warnings
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    monitor = LearningRateMonitor(logging_interval="step")
+    with warnings.catch_warnings():
+        # torch's scheduler checks: "optimizer.step() has been overridden", "... before optimizer.step()"
+        warnings.filterwarnings("error", message=".*(has been overridden|before `optimizer.step\\(\\)`).*")
+        trainer = _fit(OneOptimizer(), ZenFlowStrategy(**DEVICE_ONLY), logger=CSVLogger(tmp_path), callbacks=[monitor])
+    assert trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0]
+    assert len(monitor.lrs) == 1, monitor.lrs

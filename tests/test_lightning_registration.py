@@ -158,3 +158,13 @@ def test_unsupported_training_setups_fail_before_the_first_step(module, match: s
     assert model.train_losses == []  # no training step ran
     assert trainer.strategy.engine is None
     assert not multiprocessing.active_children()
+
+
+def test_no_optimizer_is_refused_with_the_fix() -> None:
+    class NoOptimizer(TinyModule):
+        def configure_optimizers(self):  # noqa: ANN201
+            return None
+
+    trainer = make_trainer(ZenFlowStrategy())
+    with pytest.raises(MisconfigurationException, match="configure_optimizers returned None.*torch.optim.AdamW"):
+        trainer.fit(NoOptimizer())

@@ -10,7 +10,7 @@ import lightning
 import pytest
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from lightning_helpers import fit
+from lightning_helpers import TinyModule, fit, make_trainer
 
 from lightning_zenflow import ZenFlowStrategy, ZenFlowTelemetry
 
@@ -85,3 +85,18 @@ def test_a_user_telemetry_callback_is_not_doubled() -> None:
     fit(ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=1.0), max_epochs=1, callbacks=[own, mine])
     assert own.telemetry == [mine]
     assert mine.summary.steps == 8
+
+
+def test_telemetry_logs_with_a_training_step_on_the_dataloader_iterator() -> None:
+    """``training_step(self, dataloader_iter)`` gives Lightning no batch to take a size from: the telemetry's own
+    per-step figure names its size, so the fit runs."""
+
+    class IteratorStep(TinyModule):
+        def training_step(self, dataloader_iter):  # noqa: ANN001, ANN201
+            batch, _, _ = next(dataloader_iter)
+            return self._loss(batch)
+
+    trainer = make_trainer(ZenFlowStrategy(topk_ratio=0.25, update_interval=2), max_steps=6)
+    trainer.fit(IteratorStep())
+    assert trainer.global_step == 6
+    assert "stall%" in trainer.progress_bar_metrics

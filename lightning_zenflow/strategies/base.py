@@ -28,7 +28,7 @@ from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state_checks import check_state, state_dict_mismatch, unreadable_checkpoint
-from lightning_zenflow.strategies.manual import ManualOptimizers
+from lightning_zenflow.strategies.manual import ManualOptimizers, rebind_schedulers
 from lightning_zenflow.strategies.optimizer_view import OptimizerStateView
 from lightning_zenflow.strategies.precision import ZenFlowPrecision
 from lightning_zenflow.strategies.sharded import (
@@ -168,6 +168,12 @@ class ZenFlowStrategyBase:
                 f"{len(self.optimizers)}. Return a single torch.optim.AdamW (param groups are fine)."
             )
         optimizer = self.optimizers[0]
+        if type(optimizer).__name__ == "_MockOptimizer":  # Lightning's stand-in when configure_optimizers returns None
+            raise MisconfigurationException(
+                "configure_optimizers returned None (Lightning would train without an optimizer); ZenFlow is an "
+                "optimizer. Return torch.optim.AdamW(...) from configure_optimizers, or train this module with "
+                "strategy='auto'."
+            )
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise MisconfigurationException(
                 f"ZenFlowStrategy runs {SUPPORTED_OPTIMIZERS} only; configure_optimizers returned "
@@ -200,6 +206,7 @@ class ZenFlowStrategyBase:
         steps = trainer.num_training_batches
         steps_per_epoch = steps if isinstance(steps, int) and steps > 0 else None
         self._manual = ManualOptimizers(self.optimizers, self.zenflow_config, names, steps_per_epoch)
+        rebind_schedulers(self.lr_scheduler_configs, self._manual.originals, self._manual.facades)
         self.optimizers = self._manual.facades
         self.precision_plugin.manual = self._manual
         self._install_callbacks(trainer)
@@ -323,8 +330,9 @@ class ZenFlowStrategyBase:
     # -------------------------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        trainer = self.lightning_module.trainer
-        if "checkpoint" in self.zenflow_config.sync_on and trainer.state.fn == TrainerFn.FITTING:
+        trainer = getattr(self.lightning_module, "_trainer", None)  # None: a module connected without a Trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if "checkpoint" in self.zenflow_config.sync_on and fitting:
             self.sync()
         if self.engine is not None:
             self.engine.wait_for_update()  # the weights are read (copied to the CPU) on the compute stream next

@@ -144,9 +144,30 @@ def _facade_of(
     # an Adam's groups carry decoupled_weight_decay=False, which the engine reads, so an Adam stays Adam
     facade.param_groups = optimizer.param_groups
 
-    def mark_stepped(*_: object) -> None:
-        # torch's LR schedulers check that the optimizer they were built on stepped before them
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-
-    facade.register_step_post_hook(mark_stepped)
     return facade
+
+
+def rebind_schedulers(configs: Sequence[Any], originals: Sequence[torch.optim.Optimizer], facades: Sequence) -> None:
+    """Each LR scheduler built on an original optimizer now names its ZenFlowAdamW (the same param-group dicts):
+    Lightning's ``LearningRateMonitor`` and the scheduler's own checks see one optimizer, the one that steps."""
+    for config in configs:
+        scheduler = config.scheduler
+        for original, facade in zip(originals, facades):
+            if getattr(scheduler, "optimizer", None) is original and facade is not original:
+                scheduler.optimizer = facade
+                _track_steps(facade)
+
+
+def _track_steps(facade: ZenFlowAdamW) -> None:
+    """What a scheduler does to the optimizer it is built on (torch marks ``step`` and counts its calls), for the
+    facade it now names, so that it does not warn that ``step`` was replaced or not called."""
+    if getattr(facade.step, "_wrapped_by_lr_sched", False):
+        return
+    step = facade.step
+
+    def tracked_step(*args: Any, **kwargs: Any) -> Any:
+        facade._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    facade.step = tracked_step  # type: ignore[method-assign]

@@ -122,6 +122,7 @@ class ZenFlowTelemetry(Callback):
             logger=False,
             on_step=True,
             on_epoch=False,
+            batch_size=1,  # a per-step figure: no batch to infer a size from (a training_step on a dataloader_iter)
         )
         metrics = {}
         if stats.selection_overlap is not None:
