@@ -199,15 +199,17 @@ class ZenFlowAdamW(torch.optim.AdamW):
             # gradients still scaled (GradScaler.step without unscale_ first): unscale them on the device
             grads = [p.grad for group in groups for p in group["params"] if p.grad is not None]
             torch._foreach_div_(grads, grad_scale.to(grads[0].device))
-        # AdamW(maximize=True) is AdamW on the negated gradient: the engine reads them negated and they are put back
-        # after (two passes over these gradients, in place; negation is exact)
-        maximized = [p.grad for g in groups if g.get("maximize") for p in g["params"] if p.grad is not None]
-        if maximized:
-            torch._foreach_neg_(maximized)
+        # AdamW(maximize=True) is AdamW on the negated gradient: the engine reads negated copies, and each parameter
+        # gets its own gradient back after (never written: torch's optimizers do not write into a gradient)
+        maximized = [p for g in groups if g.get("maximize") for p in g["params"] if p.grad is not None]
+        originals = [p.grad for p in maximized]
+        for param, negated in zip(maximized, torch._foreach_neg(originals) if originals else ()):
+            param.grad = negated
         engine.step(found_inf)
         if maximized:
-            engine.wait_for_gradients()  # the compute lane waits (GPU-side) until the engine has read them
-            torch._foreach_neg_(maximized)
+            engine.wait_for_gradients()  # the compute lane waits (GPU-side) until the engine has read the copies
+            for param, grad in zip(maximized, originals):
+                param.grad = grad
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

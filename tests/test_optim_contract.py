@@ -291,7 +291,7 @@ def test_other_values_of_adamws_keywords_are_refused_by_name(name: str, value: o
 
 @EXACT
 def test_maximize_equals_torch_adamw(knobs: dict) -> None:
-    """``maximize=True`` on one param group: AdamW's numbers, and every gradient is left as backward made it."""
+    """``maximize=True`` on one param group: AdamW's numbers; every gradient left as backward made it, unwritten."""
     batches = _batches(8)
 
     def run(make):
@@ -300,8 +300,11 @@ def test_maximize_equals_torch_adamw(knobs: dict) -> None:
         for inputs, targets in batches:
             nn.functional.mse_loss(model(inputs), targets).backward()
             grads = [p.grad.clone() for p in model.parameters()]
+            versions = [p.grad._version for p in model.parameters()]
             optimizer.step()
             assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+            # never written, not even negated and back (torch's test_grads_are_never_inplaced_into)
+            assert [p.grad._version for p in model.parameters()] == versions
             optimizer.zero_grad()
         if isinstance(optimizer, ZenFlowAdamW):
             optimizer.close()
@@ -316,7 +319,7 @@ def test_maximize_equals_torch_adamw(knobs: dict) -> None:
 
 def test_maximize_is_minimizing_the_negated_loss_under_the_whole_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Windows, host updates in flight, selections: ``maximize=True`` on a loss is, bitwise, the run on its negation.
-    The CPU lanes delay their work at random: the gradients are put back only after the engine has read them."""
+    The CPU lanes delay their work at random: the negated copies are kept until the engine has read them."""
     monkeypatch.setenv("LIGHTNING_ZENFLOW_LANES", "adversarial")
     batches = _batches(12)
     model = _model()
