@@ -11,41 +11,11 @@ import pytest
 
 from lightning_zenflow.engine import spares
 from lightning_zenflow.engine.kernels import KERNELS_ENV
+from lightning_zenflow.engine.spares import spawned_children
 
 # The interim moves run eagerly in the suite (the same functions; building compiled kernels takes seconds per
 # process and per rank). tests/test_kernels.py checks the compiled kernels against these, and the rule.
 os.environ.setdefault(KERNELS_ENV, "eager")
-
-
-def spawned_children() -> set[int]:
-    """Pids of the processes this process started through multiprocessing (the ZenFlow host worker is one): its
-    children that ``spawn`` started, those the fork server forked for it (``start_workers_preloaded``), plus any
-    child left as a zombie (exited but never joined).
-
-    The resource tracker that ``spawn`` starts once per session is a child too, and so is the fork server: neither is
-    a ``spawn_main`` process nor a zombie, so neither is counted.
-    """
-    if not os.path.isdir("/proc"):
-        return set()
-    me = os.getpid()
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat_file:
-                # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-                state, ppid = stat_file.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline_file:
-                table[int(entry)] = (state, int(ppid), cmdline_file.read())
-        except (OSError, ValueError, IndexError):
-            continue  # the process ended while we looked
-    servers = {pid for pid, (_, ppid, cmdline) in table.items() if ppid == me and b"forkserver" in cmdline}
-    found = set()
-    for pid, (state, ppid, cmdline) in table.items():
-        if (ppid == me and (state == "Z" or b"spawn_main" in cmdline)) or ppid in servers:
-            found.add(pid)
-    return found
 
 
 def _active_children() -> dict[int, str]:

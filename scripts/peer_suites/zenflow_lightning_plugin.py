@@ -50,6 +50,7 @@ from lightning.pytorch.trainer.connectors import accelerator_connector  # noqa: 
 
 from lightning_zenflow import ZenFlowStrategy  # noqa: E402
 from lightning_zenflow.engine import spares  # noqa: E402
+from lightning_zenflow.engine.spares import spawned_children  # noqa: E402
 
 _took_zenflow = False
 
@@ -82,36 +83,13 @@ if KNOBS[MODE] is not None:
         spares.start_workers_preloaded(True)
 
 
-def _spawned_children() -> set[int]:
-    """This process's children started by multiprocessing's spawn (``spawn_main``), those its fork server forked, and
-    zombies; the resource tracker and the fork server themselves are not counted."""
-    me = os.getpid()
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat_file:
-                state, ppid = stat_file.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline_file:
-                table[int(entry)] = (state, int(ppid), cmdline_file.read())
-        except (OSError, ValueError, IndexError):
-            continue  # the process ended while we looked
-    servers = {pid for pid, (_, ppid, cmdline) in table.items() if ppid == me and b"forkserver" in cmdline}
-    return {
-        pid
-        for pid, (state, ppid, cmdline) in table.items()
-        if (ppid == me and (state == "Z" or b"spawn_main" in cmdline)) or ppid in servers
-    }
-
-
 _children_before: set[int] = set()
 
 
 def pytest_runtest_setup(item):
     global _took_zenflow, _children_before
     _took_zenflow = False
-    _children_before = _spawned_children()
+    _children_before = spawned_children()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -120,7 +98,7 @@ def pytest_runtest_makereport(item, call):
     if call.when == "teardown":
         if _took_zenflow:
             item.user_properties.append(("zenflow", "1"))
-        leaked = _spawned_children() - _children_before - set(spares.spare_worker_pids())
+        leaked = spawned_children() - _children_before - set(spares.spare_worker_pids())
         if leaked:
             item.user_properties.append(("leaked_workers", " ".join(map(str, sorted(leaked)))))
             for pid in leaked:

@@ -51,6 +51,7 @@ from torch.testing._internal import common_optimizers  # noqa: E402
 
 from lightning_zenflow import ZenFlowAdamW  # noqa: E402
 from lightning_zenflow.engine import spares  # noqa: E402
+from lightning_zenflow.engine.spares import spawned_children  # noqa: E402
 from lightning_zenflow.optim import TORCH_OPTIONS  # noqa: E402
 
 _built: list[weakref.ref] = []
@@ -113,35 +114,13 @@ if os.environ.get("ZENFLOW_PEER_SPARES", "1") == "1":
     spares.start_workers_preloaded(True)
 
 
-def _spawned_children() -> set[int]:
-    """This process's spawned children (``spawn_main``), those its fork server forked, and zombies."""
-    me = os.getpid()
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat_file:
-                state, ppid = stat_file.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline_file:
-                table[int(entry)] = (state, int(ppid), cmdline_file.read())
-        except (OSError, ValueError, IndexError):
-            continue  # the process ended while we looked
-    servers = {pid for pid, (_, ppid, cmdline) in table.items() if ppid == me and b"forkserver" in cmdline}
-    return {
-        pid
-        for pid, (state, ppid, cmdline) in table.items()
-        if (ppid == me and (state == "Z" or b"spawn_main" in cmdline)) or ppid in servers
-    }
-
-
 _children_before: set[int] = set()
 
 
 def pytest_runtest_setup(item):
     global _children_before
     _built.clear()
-    _children_before = _spawned_children()
+    _children_before = spawned_children()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -155,7 +134,7 @@ def pytest_runtest_makereport(item, call):
         for optimizer in live:
             optimizer.close()
         _built.clear()
-        leaked = _spawned_children() - _children_before - set(spares.spare_worker_pids())
+        leaked = spawned_children() - _children_before - set(spares.spare_worker_pids())
         if leaked:
             item.user_properties.append(("leaked_workers", " ".join(map(str, sorted(leaked)))))
             for pid in leaked:
