@@ -10,7 +10,8 @@ Any LightningModule / LightningDataModule can be named by ``class_path`` in the 
   ``--trainer.strategy=zenflow``) as a plain string, and a string takes no ``--trainer.strategy.<knob>`` on top
   of it, so every ZenFlow name is turned into the ``class_path`` form before parsing.
 - A mistake in the configuration (a knob out of range, a value of the wrong type, an unknown option, a setup the
-  strategy refuses) is one ``error: ...`` line on stderr and exit status 2, before training starts; the knobs are
+  strategy refuses, bad data ``lightning_zenflow.llm`` finds) is one ``error: ...`` line on stderr and exit status 2,
+  before training starts; the knobs are
   checked right after parsing, before anything is built. ``LIGHTNING_ZENFLOW_DEBUG=1`` shows the traceback instead.
 - The exit status is 0 after a successful run, and a failing run keeps its traceback (exit status 1).
 """
@@ -34,6 +35,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.llm.data import DataError
 from lightning_zenflow.strategies.base import ZenFlowStrategyBase
 from lightning_zenflow.strategies.single import ZenFlowStrategy
 
@@ -107,9 +109,10 @@ def main(args: list[str] | None = None) -> int:
     """Run the CLI and return the exit status; ``args`` replaces ``sys.argv[1:]`` (used by tests)."""
     try:
         ZenFlowCLI(subclass_mode_model=True, subclass_mode_data=True, save_config_kwargs={"overwrite": True}, args=args)
-    except (ConfigError, ArgumentError, MisconfigurationException) as error:
+    except (ConfigError, ArgumentError, MisconfigurationException, DataError) as error:
         # ArgumentError: a parse after parse_arguments, of a checkpoint's hyperparameters (ckpt_path);
-        # MisconfigurationException: Lightning's and ZenFlowStrategy's refusals of a setup, before training starts
+        # MisconfigurationException: Lightning's and ZenFlowStrategy's refusals of a setup, before training starts;
+        # DataError: bad training data, found by the datamodule's setup before training starts
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
         message = short_error_message(str(error)) if isinstance(error, ArgumentError) else str(error)

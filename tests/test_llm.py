@@ -310,3 +310,19 @@ def test_a_missing_path_is_one_line_and_exit_status_2(
     assert error.startswith(f"error: {missing_option.rpartition('.')[2]} '{missing}' ")
     assert f"({missing_option})" in error  # the option to fix
     assert tip.startswith("tip: ")
+
+
+def test_bad_data_from_the_command_line_is_one_line_and_exit_status_2(
+    tmp_path: pathlib.Path, model_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad data is found by the datamodule's setup, before training: the console script prints its one line."""
+    data_path = tmp_path / "train.jsonl"
+    data_path.write_text('{"prompt": "hi", "response": "hello"}\nnot json\n')
+    paths = {"path/to/model": model_dir, "path/to/finetuned": tmp_path / "export", "path/to/train.jsonl": data_path}
+    command = [str(paths.get(arg, arg)) for arg in _documented_command()]
+    assert main(command[1:]) == 2
+    *_, error, tip = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("error: ")
+    assert "train.jsonl, line 2" in error
+    assert tip.startswith("tip: ")
+    assert not (tmp_path / "export").exists()
