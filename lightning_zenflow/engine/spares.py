@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import os
+import signal
 from collections.abc import Sequence
 
 MAX_SPARES = 2
@@ -132,3 +133,14 @@ def spawned_children() -> set[int]:
         if (ppid == me and (state == "Z" or b"spawn_main" in cmdline)) or ppid in servers:
             found.add(pid)
     return found
+
+
+def reap_children_since(before: set[int]) -> list[int]:
+    """Kill and reap the host workers this process started since ``before`` (a :func:`spawned_children` result),
+    spare workers excepted: what a test left behind. Returns their pids, sorted."""
+    leaked = sorted(spawned_children() - before - set(spare_worker_pids()))
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return leaked

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 
@@ -50,7 +49,7 @@ from lightning.pytorch.trainer.connectors import accelerator_connector  # noqa: 
 
 from lightning_zenflow import ZenFlowStrategy  # noqa: E402
 from lightning_zenflow.engine import spares  # noqa: E402
-from lightning_zenflow.engine.spares import spawned_children  # noqa: E402
+from lightning_zenflow.engine.spares import reap_children_since, spawned_children  # noqa: E402
 
 _took_zenflow = False
 
@@ -98,15 +97,9 @@ def pytest_runtest_makereport(item, call):
     if call.when == "teardown":
         if _took_zenflow:
             item.user_properties.append(("zenflow", "1"))
-        leaked = spawned_children() - _children_before - set(spares.spare_worker_pids())
+        leaked = reap_children_since(_children_before)
         if leaked:
-            item.user_properties.append(("leaked_workers", " ".join(map(str, sorted(leaked)))))
-            for pid in leaked:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
+            item.user_properties.append(("leaked_workers", " ".join(map(str, leaked))))
     return (yield)
 
 

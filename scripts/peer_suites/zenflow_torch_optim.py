@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
 import sys
 import types
 import weakref
@@ -51,7 +50,7 @@ from torch.testing._internal import common_optimizers  # noqa: E402
 
 from lightning_zenflow import ZenFlowAdamW  # noqa: E402
 from lightning_zenflow.engine import spares  # noqa: E402
-from lightning_zenflow.engine.spares import spawned_children  # noqa: E402
+from lightning_zenflow.engine.spares import reap_children_since, spawned_children  # noqa: E402
 from lightning_zenflow.optim import TORCH_OPTIONS  # noqa: E402
 
 _built: list[weakref.ref] = []
@@ -134,15 +133,9 @@ def pytest_runtest_makereport(item, call):
         for optimizer in live:
             optimizer.close()
         _built.clear()
-        leaked = spawned_children() - _children_before - set(spares.spare_worker_pids())
+        leaked = reap_children_since(_children_before)
         if leaked:
-            item.user_properties.append(("leaked_workers", " ".join(map(str, sorted(leaked)))))
-            for pid in leaked:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
+            item.user_properties.append(("leaked_workers", " ".join(map(str, leaked))))
     return (yield)
 
 
