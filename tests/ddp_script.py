@@ -12,17 +12,20 @@ and link bytes, its worker's pid. Options (JSON): ``accelerator`` (default ``"cp
 (``trainer.save_checkpoint(OUT_DIR/after.ckpt)`` once the fit has ended), ``fsdp`` (the module applies FSDP2's
 ``fully_shard`` in ``configure_model``; the strategy is ``ZenFlowFSDPStrategy``, or Lightning's
 ModelParallelStrategy for ``"adamw"``; ``shard`` names what is sharded: ``"all"`` (default), ``"none"``, ``"offload"``
-(with ``CPUOffloadPolicy``)).
+(with ``CPUOffloadPolicy``)), ``entry`` (another fit with these options instead, ``"module:function"``: see
+:func:`fit_of`).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import pathlib
 import signal
 import sys
+from collections.abc import Callable
 
 import lightning
 import torch
@@ -222,6 +225,16 @@ def fit(out: pathlib.Path, options: dict) -> None:
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
 
+def fit_of(options: dict) -> Callable[[pathlib.Path, dict], None]:
+    """The fit to run: :func:`fit`, or ``options["entry"]`` (``"module:function"``, a module of tests/, such as
+    ``"llm_helpers:fit"``), called with the same arguments."""
+    entry = options.get("entry")
+    if entry is None:
+        return fit
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def main() -> None:
     run(pathlib.Path(sys.argv[1]), json.loads(sys.argv[2]))
 
@@ -236,7 +249,7 @@ def run(out: pathlib.Path, options: dict) -> None:
     try:
         for path, each in runs:
             pathlib.Path(path).mkdir(parents=True, exist_ok=True)
-            fit(pathlib.Path(path), each)
+            fit_of(each)(pathlib.Path(path), each)
     finally:
         spares.keep_spare_workers(False)
 

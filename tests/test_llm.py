@@ -1,5 +1,5 @@
 """Tests of lightning_zenflow.llm: the data module's formats, loss masks and errors, and a ZenFlow fit that exports a
-Hugging Face folder (CPU, a tiny random Llama and a word-level tokenizer built here: no downloads)."""
+Hugging Face folder (CPU, a tiny random Llama and a word-level tokenizer from tests/llm_helpers.py: no downloads)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import shlex
 import lightning
 import pytest
 import torch
+from llm_helpers import CHAT_TEMPLATE, VOCAB, WORDS, mean_loss, save_tiny_llama, save_tokenizer
 
 from lightning_zenflow import ZenFlowStrategy
 from lightning_zenflow.cli import main
@@ -21,70 +22,11 @@ tokenizers = pytest.importorskip("tokenizers", reason="the test tokenizer is bui
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
-SPECIAL_TOKENS = ["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>"]
-WORDS = [
-    "hi",
-    "there",
-    "hello",
-    "friend",
-    "how",
-    "are",
-    "you",
-    "fine",
-    "thanks",
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "one",
-    "two",
-    "three",
-    "four",
-    "five",
-    "six",
-    "seven",
-]
-VOCAB = {token: index for index, token in enumerate(SPECIAL_TOKENS + WORDS)}
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-
-
-def _save_tokenizer(folder: pathlib.Path, chat_template: str | None) -> None:
-    """A word-level tokenizer over ``VOCAB`` (whitespace-split; the special tokens are matched whole)."""
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=VOCAB, unk_token="<unk>"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    backend.add_special_tokens(SPECIAL_TOKENS)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
-    )
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(folder)
-
 
 @pytest.fixture
 def model_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     """A tiny random Llama with tied embeddings and the chat tokenizer, saved in one folder."""
-    folder = tmp_path / "model"
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=VOCAB["<pad>"],
-        eos_token_id=VOCAB["<eos>"],
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    _save_tokenizer(folder, CHAT_TEMPLATE)
-    return folder
+    return save_tiny_llama(tmp_path / "model")
 
 
 def _write_jsonl(path: pathlib.Path, lines: list[object]) -> pathlib.Path:
@@ -139,7 +81,7 @@ def test_chat_template_loss_covers_exactly_the_assistant_turns(tmp_path: pathlib
 
 
 def test_without_a_chat_template_the_plain_format_learns_response_and_eos(tmp_path: pathlib.Path) -> None:
-    _save_tokenizer(tmp_path / "plain", chat_template=None)
+    save_tokenizer(tmp_path / "plain", chat_template=None)
     records = [{"prompt": "hi there", "response": "hello friend"}, {"prompt": "one", "response": "two"}]
     datamodule = _datamodule(_write_jsonl(tmp_path / "plain.jsonl", records), tmp_path / "plain", val_fraction=0.5)
     (sample,) = datamodule.train_samples
@@ -219,16 +161,6 @@ def test_empty_text_file_names_the_file(tmp_path: pathlib.Path, model_dir: pathl
 # ---------------------------------------------------------------------------------------------- fit under ZenFlow
 
 
-def _mean_loss(model: torch.nn.Module, loader: torch.utils.data.DataLoader) -> float:
-    """The sequence-weighted mean of the model's batch losses, as ``CausalLMFineTune`` logs ``val_loss``."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for batch in loader:
-            total += float(model(**batch).loss) * batch["input_ids"].size(0)
-            count += batch["input_ids"].size(0)
-    return total / count
-
-
 def test_zenflow_fit_exports_a_folder_that_reloads_with_the_validation_loss(
     tmp_path: pathlib.Path, model_dir: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -253,16 +185,20 @@ def test_zenflow_fit_exports_a_folder_that_reloads_with_the_validation_loss(
         num_sanity_val_steps=0,
     )
     trainer.fit(module, datamodule=datamodule)
-    assert "sample: 'hi there' -> " in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert "sample: 'hi there' -> " in output
     assert isinstance(module.last_sample, str)
 
     (metrics,) = trainer.validate(module, datamodule=datamodule, verbose=False)
     assert metrics["val_ppl"] == pytest.approx(torch.exp(torch.tensor(metrics["val_loss"])).item(), rel=1e-6)
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
-    assert _mean_loss(reloaded, datamodule.val_dataloader()) == pytest.approx(metrics["val_loss"], abs=1e-5)
+    assert mean_loss(reloaded, datamodule.val_dataloader()) == pytest.approx(metrics["val_loss"], abs=1e-5)
+    # the held-out loss printed after fit is the export's
+    assert module.final_val_loss == pytest.approx(metrics["val_loss"], abs=1e-5)
+    assert f"held-out loss of the final weights: {module.final_val_loss:.4f}" in output
     original = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert abs(_mean_loss(original, datamodule.val_dataloader()) - metrics["val_loss"]) > 1e-3  # it trained
+    assert abs(mean_loss(original, datamodule.val_dataloader()) - metrics["val_loss"]) > 1e-3  # it trained
 
     assert reloaded.config.tie_word_embeddings
     output_weight = reloaded.get_output_embeddings().weight

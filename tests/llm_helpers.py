@@ -1,0 +1,215 @@
+"""What the tests of lightning_zenflow.llm share: a word-level tokenizer and a tiny random Llama built here (no
+downloads), the held-out loss as ``CausalLMFineTune`` logs it, and one fit of the LLM fine-tune for the multi-rank
+tests (``tests/test_llm_distributed.py``), run by every rank (``tests/rank_zygote.py`` forks them, and
+``ddp_script.run`` calls :func:`fit` for options with ``"entry": "llm_helpers:fit"``) or in the test process.
+
+``transformers`` and ``tokenizers`` are imported where they are used: the test modules skip without them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import random
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>"]
+WORDS = [
+    "hi",
+    "there",
+    "hello",
+    "friend",
+    "how",
+    "are",
+    "you",
+    "fine",
+    "thanks",
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+]
+VOCAB = {token: index for index, token in enumerate(SPECIAL_TOKENS + WORDS)}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def save_tokenizer(folder: pathlib.Path, chat_template: str | None) -> None:
+    """A word-level tokenizer over ``VOCAB`` (whitespace-split; the special tokens are matched whole)."""
+    import tokenizers
+    import transformers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=VOCAB, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>"
+    )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+
+
+def save_tiny_llama(folder: pathlib.Path) -> pathlib.Path:
+    """A tiny random Llama with tied embeddings (as SmolLM2 has) and the chat tokenizer, saved in ``folder``. Every
+    row count is even: FSDP2 gives each of 2 ranks a block of every parameter."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=VOCAB["<pad>"],
+        eos_token_id=VOCAB["<eos>"],
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    save_tokenizer(folder, CHAT_TEMPLATE)
+    return folder
+
+
+def write_text(path: pathlib.Path, blocks: int, block_size: int, seed: int = 0) -> pathlib.Path:
+    """A text file of random ``WORDS`` that packs into exactly ``blocks`` blocks of ``block_size`` tokens (one token
+    a word, and the EOS token the data module adds after the document)."""
+    words = random.Random(seed).choices(WORDS, k=blocks * block_size - 1)
+    path.write_text(" ".join(words) + "\n")
+    return path
+
+
+def mean_loss(model: torch.nn.Module, loader: torch.utils.data.DataLoader) -> float:
+    """The sequence-weighted mean of the model's batch losses, as ``CausalLMFineTune`` logs ``val_loss``."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in loader:
+            total += float(model(**batch).loss) * batch["input_ids"].size(0)
+            count += batch["input_ids"].size(0)
+    return total / count
+
+
+# ------------------------------------------------------------------------------------------ the multi-rank fit
+
+
+def text_batch(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch of whole text blocks as ``CausalLMDataModule`` makes it: every token attended and in the loss."""
+    input_ids = torch.stack(rows)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+"""A hung peer fails the fit within a minute."""
+
+
+def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
+    """Fit ``CausalLMFineTune`` on ``CausalLMDataModule`` (a text file) with ``options["strategy"]`` (``"zenflow"``,
+    ``"zenflow_ddp"`` or ``"zenflow_fsdp"``, its knobs in ``options["knobs"]``) on ``options["devices"]`` CPU ranks
+    at peak learning rate ``options["lr"]`` (1 step of warm-up), validating at the end of the one epoch and
+    exporting into ``out/export`` (and with ``options["sample_prompt"]``, generating 3 tokens after it). Every rank
+    writes (and returns) its results, ``out/rank{r}.pt``: the batches it trained on, each validation's step and
+    ``val_loss``, whether the model was sharded and its embeddings tied during fit, the sample (rank 0) and the final
+    weights (gathered whole under FSDP2).
+
+    The data module is the package's own, with Lightning's distributed sampler over the ranks; ``options["replay"]``
+    (a list of batches of text blocks, token ids) replaces its training batches with these, in this order: one
+    process then trains on the global batches a multi-rank fit recorded."""
+    import lightning
+    from ddp_script import full_weights
+    from lightning.pytorch.callbacks import Callback
+    from torch.distributed.tensor import DTensor
+
+    import lightning_zenflow
+    from lightning_zenflow.llm import CausalLMDataModule, CausalLMFineTune
+
+    class Replay(CausalLMDataModule):
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            rows = torch.tensor([row for batch in options["replay"] for row in batch])
+            return torch.utils.data.DataLoader(rows, batch_size=self.batch_size, collate_fn=text_batch)
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.batches: list[list[list[int]]] = []
+            self.validations: list[tuple[int, float]] = []
+            self.sharded: bool | None = None
+            self.tied: bool | None = None
+
+        def on_train_start(self, trainer: lightning.Trainer, pl_module: Any) -> None:
+            output = pl_module.model.get_output_embeddings().weight
+            self.sharded = isinstance(output, DTensor)
+            self.tied = output is pl_module.model.get_input_embeddings().weight
+
+        def on_train_batch_start(self, trainer: lightning.Trainer, pl_module: Any, batch: Any, *_: Any) -> None:
+            self.batches.append(batch["input_ids"].tolist())
+
+        def on_validation_end(self, trainer: lightning.Trainer, pl_module: Any) -> None:
+            self.validations.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+    devices = int(options["devices"])
+    knobs = {"full_warm_up_rounds": 0, "host_threads": 1, "bind_cores": False, **options.get("knobs", {})}
+    name = options["strategy"]
+    if name == "zenflow":
+        strategy: Any = lightning_zenflow.ZenFlowStrategy(**knobs)
+    elif name == "zenflow_ddp":
+        strategy = lightning_zenflow.ZenFlowDDPStrategy(timeout=COLLECTIVE_TIMEOUT, **knobs)
+    else:
+        strategy = lightning_zenflow.ZenFlowFSDPStrategy(timeout=COLLECTIVE_TIMEOUT, **knobs)
+    data_class = Replay if options.get("replay") else CausalLMDataModule
+    datamodule = data_class(
+        options["data_path"],
+        options["model_dir"],
+        block_size=options["block_size"],
+        batch_size=options["batch_size"],
+        val_fraction=options["val_fraction"],
+    )
+    module = CausalLMFineTune(
+        options["model_dir"],
+        lr=options["lr"],
+        warmup_steps=1,
+        export_dir=str(out / "export"),
+        sample_prompt=options.get("sample_prompt"),
+        sample_tokens=3,
+    )
+    record = Record()
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=options["max_steps"],
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[record],
+        default_root_dir=str(out),
+    )
+    trainer.fit(module, datamodule=datamodule)
+    result = {
+        "strategy": type(trainer.strategy).__name__,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "batches": record.batches,
+        "validations": record.validations,
+        "sharded": record.sharded,
+        "tied": record.tied,
+        "sample": module.last_sample,
+        "weights": full_weights(module.model),  # FSDP2: a collective, every rank gathers
+    }
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    return result
