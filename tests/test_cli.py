@@ -59,9 +59,11 @@ def _run(args: list[str], tmp_path: Path, timeout: int = 240, expect: int = 0) -
     return result
 
 
-def _readme_command(command: str) -> list[str]:
-    """``command`` as the README shows it, ready to run from any folder (it must stay in the README)."""
-    assert command in README, f"the README no longer shows `{command}`; keep it and this test in step"
+def _readme_command(command: str, doc: str = "README.md") -> list[str]:
+    """``command`` as the README (or the docs page ``doc``) shows it, ready to run from any folder (it must stay
+    there)."""
+    text = README if doc == "README.md" else (ROOT / doc).read_text()
+    assert command in text, f"{doc} no longer shows `{command}`; keep it and this test in step"
     next_to_python = str(Path(sys.executable).parent)
     script = shutil.which("lightning-zenflow", path=next_to_python) or shutil.which("lightning-zenflow")
     if script is None:
@@ -157,7 +159,9 @@ def test_a_knob_override_on_the_short_form(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_a_bad_knob_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
-    command = _readme_command("lightning-zenflow fit --config configs/main.yaml --trainer.strategy.topk_ratio=2")
+    command = _readme_command(
+        "lightning-zenflow fit --config configs/main.yaml --trainer.strategy.topk_ratio=2", doc="docs/usage.md"
+    )
     result = _run(command, tmp_path, expect=2)
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
