@@ -1,7 +1,7 @@
 """The ZenFlow knobs as one validated dataclass.
 
 This module is the single source of truth for every option: the strategy's signature, the CLI help, the
-YAML comments and the README table are written from the attribute docstrings below. It imports no
+YAML comments and the knob table of docs/knobs.md are written from the attribute docstrings below. It imports no
 Lightning, so the framework-free engine can use it too.
 """
 
@@ -262,9 +262,9 @@ def num_selected_columns(columns: int, ratio: float) -> int:
 
 
 def knob_table() -> str:
-    """The README's knob table, written from this module's attribute docstrings (the single source).
+    """The knob table of docs/knobs.md, written from this module's attribute docstrings (the single source).
 
-    ``python -m lightning_zenflow.config`` prints it; a test checks the README carries exactly this text.
+    ``python -m lightning_zenflow.config`` prints it; a test checks docs/knobs.md carries exactly this text.
     """
     import ast
     import inspect

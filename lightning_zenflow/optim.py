@@ -83,7 +83,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         amsgrad, maximize, foreach, capturable, differentiable, fused: AdamW's keywords, accepted at the values
             ZenFlow runs (:data:`TORCH_OPTIONS`); ``maximize=True`` is supported (per param group too).
         topk_ratio ... worker_timeout_s: the ZenFlow knobs, documented in
-            :class:`~lightning_zenflow.config.ZenFlowConfig` (the README's table).
+            :class:`~lightning_zenflow.config.ZenFlowConfig` (the table in docs/knobs.md).
         ranks: the data-parallel ranks; ``None``: torch.distributed's default group when it is initialised with more
             than one rank (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` say which share of the machine is this rank's).
     """

@@ -53,7 +53,7 @@ class InOrderModule(TinyModule):
 
 class ShardedModule(InOrderModule):
     """The in-order module, 8 -> 24 -> 6 (every row count splits evenly over 1, 2 and 3 ranks), under FSDP2:
-    ``fully_shard`` on each linear layer, then on the root (the README's recipe). ``shard="none"`` leaves it
+    ``fully_shard`` on each linear layer, then on the root (docs/distributed.md). ``shard="none"`` leaves it
     unsharded (for the one-process strategies, and refused by ``zenflow_fsdp``), ``"offload"`` adds
     ``CPUOffloadPolicy`` (refused)."""
 

@@ -2,8 +2,8 @@
 
 Every fit runs ``tests/ddp_script.py``'s fits with ``fsdp`` set (in ranks forked by ``tests/rank_zygote.py``; the
 killed worker's fit as a script, through Lightning's launcher): the module (8 -> 24 -> 6, every row count split evenly
-over 1, 2 and 3 ranks) applies ``fully_shard`` to each linear layer and then to itself in ``configure_model``, as the
-README's recipe says. The one-process fits it is compared with (``ZenFlowStrategy``, Lightning's AdamW) run the same
+over 1, 2 and 3 ranks) applies ``fully_shard`` to each linear layer and then to itself in ``configure_model``, as
+docs/distributed.md says. The one-process fits compared with it (``ZenFlowStrategy``, Lightning's AdamW) run the same
 script's ``fit`` in this process. Covered: the exact settings equal Lightning's ModelParallelStrategy with torch AdamW
 (also clipped by norm: the global norm of the shards);
 2 ranks equal one process on the same global batch (selection is global); each rank's device bytes (weights,

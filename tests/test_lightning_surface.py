@@ -294,7 +294,7 @@ def test_in_place_edits_are_kept_when_the_engine_adopts_them(knobs: dict) -> Non
 
 
 def test_in_place_edits_without_adopting_are_overwritten_by_the_masters() -> None:
-    """What the README says happens without ``adopt_weights()``: the engine's fp32 masters win at the next update."""
+    """What docs/usage.md says happens without ``adopt_weights()``: the engine's fp32 masters win at the next update."""
     control, _ = fit("auto", callbacks=[_ClampWeights(adopt=True)])
     zenflow, _ = fit(ZenFlowStrategy(**DEVICE_ONLY), callbacks=[_ClampWeights(adopt=False)])
     difference = max((weights(zenflow)[n] - weights(control)[n]).abs().max() for n in weights(control))

@@ -49,7 +49,7 @@ def _kill(pid: int | None) -> None:
 class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
     """Data-parallel ZenFlow: DDP for the gradients, the host state sharded by rows across the ranks.
 
-    The ZenFlow knobs are those of :class:`~lightning_zenflow.ZenFlowStrategy` (the README table); the rest are
+    The ZenFlow knobs are those of :class:`~lightning_zenflow.ZenFlowStrategy` (docs/knobs.md); the rest are
     Lightning's DDP options.
 
     Args:

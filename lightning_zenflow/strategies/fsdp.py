@@ -18,7 +18,7 @@ Device bytes for the weights, gradients and ZenFlow's state fall as ``1/W``, and
   ``"full"`` (the default) gathers everything to rank 0 into the format of the other strategies: one ``.ckpt`` that
   resumes under :class:`~lightning_zenflow.ZenFlowStrategy`, the data-parallel strategy, plain AdamW, or this one.
 
-The recipe (README, "FSDP2"): ``Trainer(strategy="zenflow_fsdp", devices=N)``, and in the LightningModule's
+The recipe (docs/distributed.md, "FSDP2"): ``Trainer(strategy="zenflow_fsdp", devices=N)``, and in the LightningModule's
 ``configure_model`` apply ``fully_shard(block, mesh=self.device_mesh["data_parallel"])`` to each block and then to
 the module that holds them all, so that every trainable parameter is sharded. FSDP1 wrappers, tensor parallelism,
 2-D (HSDP) meshes and ``CPUOffloadPolicy`` are refused with the fix named.
@@ -122,7 +122,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
     """ZenFlow on FSDP2: every rank's engine and host worker hold only the rows of its shards.
 
-    The ZenFlow knobs are those of :class:`~lightning_zenflow.ZenFlowStrategy` (the README table), with
+    The ZenFlow knobs are those of :class:`~lightning_zenflow.ZenFlowStrategy` (docs/knobs.md), with
     interim moves on every rank's rows (see the module's notes); the rest are Lightning's ModelParallelStrategy options.
 
     Args:

@@ -25,7 +25,7 @@ from lightning_zenflow.strategies.ddp import ZenFlowDDPStrategy
 class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
     """Train with ZenFlow: the important columns of every weight matrix on the device, the rest on a CPU worker.
 
-    Every knob is documented in :class:`lightning_zenflow.config.ZenFlowConfig` (and the README table); the
+    Every knob is documented in :class:`lightning_zenflow.config.ZenFlowConfig` (and docs/knobs.md); the
     device comes from ``Trainer(accelerator=..., devices=...)`` unless ``device`` is given. With more than one
     device or node (``Trainer(strategy="zenflow", devices=N, num_nodes=M)``) Lightning's connector hands this
     object the devices and it becomes a :class:`~lightning_zenflow.ZenFlowDDPStrategy` with the same knobs.
