@@ -321,6 +321,32 @@ def _write_gguf(model_dir: pathlib.Path, path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def test_an_unreachable_hub_name_is_one_line_and_exit_status_2(
+    tmp_path: pathlib.Path, model_dir: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants
+
+    from lightning_zenflow.cli import main
+
+    # offline: the Hub cannot be reached, at once (read at import, so the constant, not the environment variable)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    hub_name = "no-such-org/no-such-model"
+    for option in ("--model.model_path", "--data.tokenizer_path"):
+        arguments = {"--model.model_path": str(model_dir), "--data.tokenizer_path": str(model_dir), option: hub_name}
+        command = ["fit", "--trainer.max_steps", "1", "--trainer.logger", "false"]
+        command += ["--model", "lightning_zenflow.llm.CausalLMFineTune", "--model.model_path"]
+        command += [arguments["--model.model_path"], "--data", "lightning_zenflow.llm.CausalLMDataModule"]
+        command += ["--data.data_path", str(write_text(tmp_path / "t.txt", 4, BLOCK)), "--data.tokenizer_path"]
+        command += [arguments["--data.tokenizer_path"], "--data.block_size", str(BLOCK)]
+        command += ["--trainer.default_root_dir", str(tmp_path)]
+        assert main(command) == 2, option
+        *_, error, tip = capsys.readouterr().err.strip().splitlines()
+        name = option.rpartition(".")[2]
+        assert error.startswith(f"error: {name} '{hub_name}' could not be loaded ("), error
+        assert error.endswith(f"pass a local folder or a .gguf file ({option}).")
+        assert tip.startswith("tip: ")
+
+
 def test_a_gguf_file_is_de_quantized_once_into_the_cache(
     tmp_path: pathlib.Path, model_dir: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

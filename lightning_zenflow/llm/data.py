@@ -36,12 +36,25 @@ class DataError(ValueError):
 
 
 def load_tokenizer(tokenizer_path: str) -> Any:
-    """``AutoTokenizer.from_pretrained`` of a local folder, with the install hint when ``transformers`` is missing."""
+    """``AutoTokenizer.from_pretrained`` of a folder or a Hub name, with the install hint when ``transformers`` is
+    missing; one that cannot be loaded is a ``DataError`` naming the fix."""
     try:
         from transformers import AutoTokenizer
     except ImportError as error:
         raise ImportError(f"lightning_zenflow.llm needs `transformers`: {LLM_INSTALL_HINT}") from error
-    return AutoTokenizer.from_pretrained(tokenizer_path)
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_path)
+    except OSError as error:  # a Hub name that cannot be reached, a folder without tokenizer files
+        raise DataError(unloadable(tokenizer_path, error, "--data.tokenizer_path")) from error
+
+
+def unloadable(source: str, error: OSError, option: str) -> str:
+    """The one-line message for a model or tokenizer source that ``transformers`` could not load."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (
+        f"{option.rpartition('.')[2]} {source!r} could not be loaded ({reason}). Check the name, the network (and "
+        f"HF_TOKEN for a gated model), or pass a local folder or a .gguf file ({option})."
+    )
 
 
 class CausalLMDataModule(LightningDataModule):

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
-from lightning_zenflow.llm.data import LLM_INSTALL_HINT, load_tokenizer
+from lightning_zenflow.llm.data import LLM_INSTALL_HINT, load_tokenizer, unloadable
 from lightning_zenflow.llm.sharding import shard_blocks, whole_model
 from lightning_zenflow.llm.sources import resolve_model
 
@@ -87,7 +87,10 @@ class CausalLMFineTune(LightningModule):
             raise ImportError(f"CausalLMFineTune needs `transformers`: {LLM_INSTALL_HINT}") from error
         self.save_hyperparameters()
         self.model_folder = resolve_model(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_folder, dtype=DTYPES[dtype])
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_folder, dtype=DTYPES[dtype])
+        except OSError as error:  # a Hub name that cannot be reached, a folder without weights
+            raise ValueError(unloadable(model_path, error, "--model.model_path")) from error
         if activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.config.use_cache = False  # no key/value cache while recomputing
