@@ -122,15 +122,20 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
     at peak learning rate ``options["lr"]`` (1 step of warm-up), validating at the end of the one epoch and
     exporting into ``out/export`` (and with ``options["sample_prompt"]``, generating 3 tokens after it). Every rank
     writes (and returns) its results, ``out/rank{r}.pt``: the batches it trained on, each validation's step and
-    ``val_loss``, whether the model was sharded and its embeddings tied during fit, the sample (rank 0) and the final
-    weights (gathered whole under FSDP2).
+    ``val_loss``, whether the model was sharded and its embeddings tied during fit, how often the MLP of its first
+    decoder layer ran in training mode (forwards, and recomputations under activation checkpointing), the sample (rank
+    0) and the final weights (gathered whole under FSDP2).
+
+    ``options["checkpoint_every"]`` adds a ``ModelCheckpoint`` saving every that many steps into ``out/ckpt`` (all
+    kept), ``options["ckpt_path"]`` resumes the fit from a checkpoint, and ``options["module"]`` holds further
+    arguments of ``CausalLMFineTune`` (``activation_checkpointing``, ``export_on_checkpoint``, ...).
 
     The data module is the package's own, with Lightning's distributed sampler over the ranks; ``options["replay"]``
     (a list of batches of text blocks, token ids) replaces its training batches with these, in this order: one
     process then trains on the global batches a multi-rank fit recorded."""
     import lightning
     from ddp_script import full_weights
-    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.distributed.tensor import DTensor
 
     import lightning_zenflow
@@ -147,11 +152,17 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
             self.validations: list[tuple[int, float]] = []
             self.sharded: bool | None = None
             self.tied: bool | None = None
+            self.mlp_calls = 0
 
         def on_train_start(self, trainer: lightning.Trainer, pl_module: Any) -> None:
             output = pl_module.model.get_output_embeddings().weight
             self.sharded = isinstance(output, DTensor)
             self.tied = output is pl_module.model.get_input_embeddings().weight
+            # a module inside the layer: the layer's own hooks (FSDP2's) stay outside what checkpointing reruns
+            pl_module.model.model.layers[0].mlp.register_forward_pre_hook(self.count_mlp_call)
+
+        def count_mlp_call(self, mlp: torch.nn.Module, _: Any) -> None:
+            self.mlp_calls += mlp.training  # the training forwards, and their recomputations in backward
 
         def on_train_batch_start(self, trainer: lightning.Trainer, pl_module: Any, batch: Any, *_: Any) -> None:
             self.batches.append(batch["input_ids"].tolist())
@@ -183,8 +194,13 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
         export_dir=str(out / "export"),
         sample_prompt=options.get("sample_prompt"),
         sample_tokens=3,
+        **options.get("module", {}),
     )
     record = Record()
+    callbacks: list[Callback] = [record]
+    if options.get("checkpoint_every"):
+        every = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=options["checkpoint_every"], save_top_k=-1)
+        callbacks.append(every)
     trainer = lightning.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -192,14 +208,14 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
         max_steps=options["max_steps"],
         max_epochs=1,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=len(callbacks) > 1,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[record],
+        callbacks=callbacks,
         default_root_dir=str(out),
     )
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=options.get("ckpt_path"))
     result = {
         "strategy": type(trainer.strategy).__name__,
         "world_size": trainer.world_size,
@@ -208,6 +224,7 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
         "validations": record.validations,
         "sharded": record.sharded,
         "tied": record.tied,
+        "mlp_calls": record.mlp_calls,
         "sample": module.last_sample,
         "weights": full_weights(module.model),  # FSDP2: a collective, every rank gathers
     }

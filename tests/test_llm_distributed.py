@@ -1,16 +1,22 @@
 """lightning_zenflow.llm on 2 ranks (gloo, CPU): ``CausalLMFineTune`` on ``CausalLMDataModule`` text under
 ``zenflow_ddp`` and ``zenflow_fsdp`` (the module shards the Hugging Face model in ``configure_model``: every decoder
-layer, then the whole model), with validation and an export.
+layer, then the whole model), with validation and an export; a resume mid-epoch, activation checkpointing and the
+export at every checkpoint.
 
 The model is a tiny random Llama with tied embeddings (tests/llm_helpers.py); the data one text file packed into 28
-blocks of 16 tokens, 24 for training (6 steps of 2 blocks per rank) and 4 held out. Both 2-rank fits run in one launch
-of forked ranks (tests/rank_zygote.py, ``llm_helpers.fit`` in each), the one-process ``zenflow`` fit they are
-compared with in this process, on the global batches the ranks trained on (recorded, and replayed in order).
+blocks of 16 tokens, 24 for training (6 steps of 2 blocks per rank) and 4 held out. The 2-rank fits run in two
+launches of forked ranks (tests/rank_zygote.py, ``llm_helpers.fit`` in each, one fit after another): the fits of both
+strategies, then the one-process ``zenflow`` fit they are compared with in this process, on the global batches the
+ranks trained on (recorded, and replayed in order); and the fits with checkpoints.
 Covered: both ranks finish every fit, together training on every block once; the export exists, reloads with
 ``from_pretrained``, keeps its embeddings tied, equals the run's final weights and has the run's last ``val_loss`` as
 its held-out loss; rank 0 alone generates the sample, the export's greedy continuation; 2 ranks equal one process on
 the global batches (the last ``val_loss`` to 1e-5; the weights to the data-parallel tests' tolerance, but for a few
 of near-zero gradient, which Adam's step leaves within 6e-4: :func:`assert_close_up_to_adam_rounding`).
+Also covered: ``zenflow_ddp`` resumed from a checkpoint inside its epoch and inside a host window ends bitwise as the
+uninterrupted fit, each rank on the rest of its own batches; ``zenflow_fsdp`` with ``activation_checkpointing``
+recomputes every layer and trains as without it (to 1e-6), and with ``export_on_checkpoint`` every ``step-N`` folder
+holds its checkpoint's full weights, tied, and the final folder the final weights.
 """
 
 from __future__ import annotations
@@ -50,47 +56,88 @@ ADAM_ROUNDING = STEPS * LR * 1e-2
 """How far a weight of the 2-rank fits may be from the one-process fit's: see
 :func:`assert_close_up_to_adam_rounding`."""
 
+RESUME_KNOBS = {**KNOBS, "update_interval": 4, "select_interval": 8}
+"""Windows of 4 steps: the checkpoint at step 5 lands one step into the second window, the first window's host update
+still in flight; the one at step 10 two steps into the third."""
+RESUME_STEPS, CHECKPOINT_EVERY = 2 * STEPS, 5
+"""The resumed fit's whole epoch, 1 block a rank a step; a checkpoint every 5 steps (5 and 10), not at a window end."""
+RECOMPUTE_ATOL = 1e-6
+"""How far activation checkpointing may move a trained weight (it measures none): see
+:func:`test_two_ranks_fsdp_recompute_and_export_every_checkpoint`."""
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every fit of the module, once: the 2-rank fits in one launch, then the one-process fit here."""
-    root = tmp_path_factory.mktemp("llm_fits")
-    model_dir = save_tiny_llama(root / "model")
-    data_path = write_text(root / "corpus.txt", TRAIN_BLOCKS + VAL_BLOCKS, BLOCK_SIZE)
-    common = {
+
+def common_options(root: pathlib.Path) -> dict:
+    """The tiny model and the text file, written into ``root``, and the options every fit of the module shares."""
+    return {
         "entry": "llm_helpers:fit",
-        "model_dir": str(model_dir),
-        "data_path": str(data_path),
+        "model_dir": str(save_tiny_llama(root / "model")),
+        "data_path": str(write_text(root / "corpus.txt", TRAIN_BLOCKS + VAL_BLOCKS, BLOCK_SIZE)),
         "block_size": BLOCK_SIZE,
         "val_fraction": VAL_FRACTION,
         "max_steps": STEPS,
         "lr": LR,
         "knobs": KNOBS,
     }
-    two = {
-        name: {**common, "strategy": name, "devices": 2, "batch_size": PER_RANK_BATCH, "sample_prompt": PROMPT}
-        for name in STRATEGIES
-    }
+
+
+def launch(root: pathlib.Path, fits: dict[str, dict]) -> dict[str, list[dict]]:
+    """The 2-rank ``fits`` in one launch, one after another in the same ranks; each one's results, by rank."""
     done = Zygote.run(
         root / "launch",
-        {"batch": [[str(root / name), options] for name, options in two.items()]},
+        {"batch": [[str(root / name), options] for name, options in fits.items()]},
         world=2,
         timeout_s=240.0,
     )
     logs = "\n".join(pathlib.Path(log).read_text()[-4000:] for log in done["logs"])
     assert done["codes"] == [0, 0], logs
-    results = {name: [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in two}
+    return {name: [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(2)] for name in fits}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fits of both strategies, once: the 2-rank fits in one launch, then the one-process fit here."""
+    root = tmp_path_factory.mktemp("llm_fits")
+    common = common_options(root)
+    two = {
+        name: {**common, "strategy": name, "devices": 2, "batch_size": PER_RANK_BATCH, "sample_prompt": PROMPT}
+        for name in STRATEGIES
+    }
+    results = launch(root, two)
     # one process on the global batches of the 2 ranks (both strategies' ranks trained on the same ones)
     ranks = results[STRATEGIES[0]]
     replay = [ranks[0]["batches"][step] + ranks[1]["batches"][step] for step in range(STEPS)]
     one = {**common, "strategy": "zenflow", "devices": 1, "batch_size": 2 * PER_RANK_BATCH, "replay": replay}
     (root / "zenflow").mkdir()
     results["zenflow"] = [fit(root / "zenflow", one)]
+    model_dir, data_path = common["model_dir"], common["data_path"]
     datamodule = CausalLMDataModule(
-        str(data_path), str(model_dir), block_size=BLOCK_SIZE, batch_size=2, val_fraction=VAL_FRACTION
+        data_path, model_dir, block_size=BLOCK_SIZE, batch_size=2, val_fraction=VAL_FRACTION
     )
     datamodule.setup("fit")
-    return {"root": root, "model_dir": model_dir, "results": results, "datamodule": datamodule}
+    return {"root": root, "model_dir": pathlib.Path(model_dir), "results": results, "datamodule": datamodule}
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fits with checkpoints, in one launch (a fixture of their own: pytest-xdist may run their tests in another
+    process than the ones of :func:`runs`, which then does not fit those again)."""
+    root = tmp_path_factory.mktemp("llm_checkpointed")
+    common = common_options(root)
+    # a zenflow_ddp fit with checkpoints mid-epoch and mid-window, then one resumed from its step-5 checkpoint
+    every = {**common, "strategy": "zenflow_ddp", "devices": 2, "batch_size": 1, "max_steps": RESUME_STEPS}
+    every["knobs"] = RESUME_KNOBS
+    fits = {
+        "ddp_checkpointed": {**every, "checkpoint_every": CHECKPOINT_EVERY},
+        "ddp_resumed": {
+            **every,
+            "ckpt_path": str(root / "ddp_checkpointed" / "ckpt" / f"epoch=0-step={CHECKPOINT_EVERY}.ckpt"),
+        },
+    }
+    # zenflow_fsdp exporting at every checkpoint (steps 3 and 6), with and without recomputing the activations
+    fsdp = {**common, "strategy": "zenflow_fsdp", "devices": 2, "batch_size": PER_RANK_BATCH, "checkpoint_every": 3}
+    fits["fsdp_recompute"] = {**fsdp, "module": {"activation_checkpointing": True, "export_on_checkpoint": True}}
+    fits["fsdp_plain"] = {**fsdp, "module": {"export_on_checkpoint": True}}
+    return {"root": root, "model_dir": pathlib.Path(common["model_dir"]), "results": launch(root, fits)}
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -169,3 +216,76 @@ def test_a_model_without_blocks_to_shard_is_refused_with_the_fix() -> None:
     # configure_model under zenflow_fsdp shards the classes a Hugging Face model names in _no_split_modules
     with pytest.raises(ValueError, match=r"Linear names no blocks to shard.*Shard it in your own configure_model"):
         shard_blocks(torch.nn.Linear(2, 2), mesh=None)
+
+
+def test_a_two_rank_resume_from_a_mid_epoch_mid_window_checkpoint_continues_exactly(checkpointed: dict) -> None:
+    """Each rank resumes its own shard of the epoch at the checkpoint's batch (the loader's state is the loop's count,
+    the same on every rank), and ZenFlow's engines inside their window: the weights bitwise as without the stop.
+
+    ``llm_helpers.fit`` sets ``max_epochs``, so ``CausalLMFineTune``'s schedule (``estimated_stepping_batches``) has
+    Lightning build the training loader before it restores the checkpoint: ``ResumableLoader`` loads its state at the
+    first fetch then (without that, the resumed ranks started the epoch over and ended 2e-2 away)."""
+    uninterrupted, resumed = checkpointed["results"]["ddp_checkpointed"], checkpointed["results"]["ddp_resumed"]
+    checkpoints = sorted((checkpointed["root"] / "ddp_checkpointed" / "ckpt").glob("*.ckpt"))
+    assert [path.name for path in checkpoints] == ["epoch=0-step=10.ckpt", "epoch=0-step=5.ckpt"]
+    checkpoint = torch.load(checkpoints[1], weights_only=False)
+    assert checkpoint["global_step"] == CHECKPOINT_EVERY
+    loader_state = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert loader_state == [{"epoch": 0, "batches": CHECKPOINT_EVERY}]  # rank 0's, which every rank loads
+    for rank, (whole, rest) in enumerate(zip(uninterrupted, resumed)):
+        assert whole["global_step"] == rest["global_step"] == RESUME_STEPS
+        assert len(whole["batches"]) == RESUME_STEPS  # the whole epoch: 12 blocks a rank, one a step
+        assert rest["batches"] == whole["batches"][CHECKPOINT_EVERY:], f"rank {rank} resumed on other batches"
+        assert whole["weights"].keys() == rest["weights"].keys()
+        for name, tensor in whole["weights"].items():
+            assert torch.equal(rest["weights"][name], tensor), f"rank {rank}: {name} differs after the resume"
+    assert_weights_equal(uninterrupted[1]["weights"], uninterrupted[0]["weights"])
+
+
+def test_two_ranks_fsdp_recompute_and_export_every_checkpoint(checkpointed: dict) -> None:
+    """``zenflow_fsdp`` with ``activation_checkpointing`` and ``export_on_checkpoint``: each ``step-N`` folder holds
+    the weights of the step-N checkpoint (a full state dict, gathered to rank 0), tied; the folder at the end of fit
+    the final weights.
+
+    Recomputing a decoder layer in the backward pass repeats its forward, the same operations on the same inputs, so
+    the gradients and the weights are those of the same fit without it (``fsdp_plain``, its exports included):
+    measured, bitwise. ``RECOMPUTE_ATOL`` (1e-6, the one-process test's) leaves room for float32 rounding alone (about
+    1e-7 of a weight); a recomputation on other inputs (a lost mask or rotary position, dropout drawn again) or an
+    update gone wrong moves weights by about ``lr`` = 1e-2, four orders of magnitude more."""
+    ranks, plain = checkpointed["results"]["fsdp_recompute"], checkpointed["results"]["fsdp_plain"]
+    for rank in ranks:
+        assert (rank["strategy"], rank["global_step"]) == ("ZenFlowFSDPStrategy", STEPS)
+        assert [step for step, _ in rank["validations"]] == [STEPS]
+        assert rank["sharded"]
+        assert rank["tied"]
+        assert rank["mlp_calls"] == 2 * STEPS  # every training forward of the first layer, and again in backward
+    assert [rank["mlp_calls"] for rank in plain] == [STEPS, STEPS]
+    assert_weights_equal(ranks[1]["weights"], ranks[0]["weights"])
+    for name, tensor in plain[0]["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=0, atol=RECOMPUTE_ATOL, msg=name)
+
+    folder = checkpointed["root"] / "fsdp_recompute"
+    export_dir = folder / "export"
+    assert sorted(path.name for path in export_dir.iterdir() if path.is_dir()) == ["step-3", "step-6"]
+    model_dir = checkpointed["model_dir"]
+    original = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    exports = {}
+    for step in (3, 6):
+        (checkpoint,) = (folder / "ckpt").glob(f"*step={step}.ckpt")
+        saved = torch.load(checkpoint, weights_only=False)["state_dict"]
+        exported = transformers.AutoModelForCausalLM.from_pretrained(export_dir / f"step-{step}", dtype=torch.float32)
+        assert exported.get_output_embeddings().weight is exported.get_input_embeddings().weight
+        exports[step] = exported.state_dict()
+        assert {f"model.{name}" for name in exports[step]} == set(saved)
+        for name, tensor in exports[step].items():
+            whole = saved[f"model.{name}"]
+            assert type(whole) is torch.Tensor, name  # not a DTensor
+            assert whole.shape == original[name].shape, name  # whole, not this rank's rows
+            assert torch.equal(tensor, whole), f"step-{step}: {name}"
+        assert transformers.AutoTokenizer.from_pretrained(export_dir / f"step-{step}").eos_token == "<eos>"
+    embeddings = "model.embed_tokens.weight"
+    assert not torch.equal(exports[3][embeddings], original[embeddings])  # trained by step 3
+    assert not torch.equal(exports[6][embeddings], exports[3][embeddings])  # and on
+    final = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    assert final.get_output_embeddings().weight is final.get_input_embeddings().weight
+    assert_weights_equal({key: value.detach() for key, value in final.named_parameters()}, ranks[0]["weights"])

@@ -6,6 +6,12 @@ loop fetches one batch ahead. So the state is read from the loop: the epoch and 
 when the checkpoint was taken. The resumed iteration of that epoch skips them (the order of an epoch is fixed by the
 seed and the epoch: :class:`~lightning_zenflow.demo.data.EpochSeededSampler`), so the run continues on the batch the
 uninterrupted run would have trained on next; later epochs are whole.
+
+Lightning hands the loader its saved state only when it builds the loader after restoring the checkpoint's loops. A
+``configure_optimizers`` that reads ``trainer.estimated_stepping_batches`` (``CausalLMFineTune``'s cosine schedule
+does, whenever ``max_epochs`` is set) builds it earlier, during the strategy's setup, and Lightning then keeps the
+state unloaded (Lightning issue #20550): the resumed epoch would start over. So the skip is decided at the first fetch
+of an iteration, after every restore, and a state Lightning still holds is loaded then.
 """
 
 from __future__ import annotations
@@ -35,27 +41,39 @@ class ResumableLoader(DataLoader):
         self.resume_at = (state["epoch"], state["batches"]) if state else None
 
     def __iter__(self) -> Iterator[Any]:
-        iterator = super().__iter__()
-        resume_at, self.resume_at = self.resume_at, None
+        return _Skipping(super().__iter__(), self._batches_to_skip)
+
+    def _batches_to_skip(self) -> int:
+        """How many batches the iteration starting now skips (once): the saved place, in its own epoch."""
         trainer = self.trainer() if self.trainer is not None else None
-        if resume_at is None or trainer is None or trainer.current_epoch != resume_at[0] or resume_at[1] == 0:
-            return iterator
-        return _Skipping(iterator, resume_at[1])
+        if trainer is None:
+            return 0
+        if self.resume_at is None and trainer.fit_loop.restarting:
+            # the loader was built before the restore: the state Lightning keeps for it, if any, is loaded here
+            load_pending = getattr(trainer.fit_loop, "_load_combined_loader_states", None)
+            if load_pending is not None:
+                load_pending()
+        resume_at, self.resume_at = self.resume_at, None
+        if resume_at is None or trainer.current_epoch != resume_at[0]:
+            return 0
+        return resume_at[1]
 
 
 class _Skipping:
-    """``iterator`` without its first ``skip`` items, skipped at the first ``next``: Lightning sets the sampler's epoch
-    after it calls ``iter`` and before it fetches, and the epoch's order is drawn at the first fetch."""
+    """``iterator`` without its first ``skip()`` items, counted and skipped at the first ``next``: Lightning sets the
+    sampler's epoch after it calls ``iter`` and before it fetches (the epoch's order is drawn at the first fetch), and
+    restores a checkpoint's loops after the first ``iter`` when the loader was built early."""
 
-    def __init__(self, iterator: Iterator[Any], skip: int) -> None:
+    def __init__(self, iterator: Iterator[Any], skip: Callable[[], int]) -> None:
         self.iterator = iterator
-        self.skip = skip
+        self.skip: Callable[[], int] | None = skip
 
     def __iter__(self) -> _Skipping:
         return self
 
     def __next__(self) -> Any:
-        while self.skip:
-            self.skip -= 1
-            next(self.iterator)
+        if self.skip is not None:
+            skip, self.skip = self.skip(), None
+            for _ in range(skip):
+                next(self.iterator)
         return next(self.iterator)
