@@ -59,7 +59,7 @@ class CausalLMFineTune(LightningModule):
             dtype: the weights' dtype when loaded, "float32" or "bfloat16" (saves host memory and time on the way
                 to a ``bf16-true`` run; ``precision`` decides the dtype the model trains in).
             activation_checkpointing: recompute each decoder layer's activations in the backward pass
-                (``gradient_checkpointing_enable``): activation memory of one layer instead of all, about a third
+                (``activation_checkpointing_enable``): activation memory of one layer instead of all, about a third
                 more compute.
             export_on_checkpoint: also export at every checkpoint, into ``export_dir/step-<global step>``: the
                 weights the checkpoint holds (host columns up to one window behind unless the strategy's
@@ -92,7 +92,11 @@ class CausalLMFineTune(LightningModule):
         except OSError as error:  # a Hub name that cannot be reached, a folder without weights
             raise ValueError(unloadable(model_path, error, "--model.model_path")) from error
         if activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5 names it activation_checkpointing_enable and deprecates the older name
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.config.use_cache = False  # no key/value cache while recomputing
         self.model.train()  # from_pretrained returns the model in eval mode, and Lightning keeps submodules' modes
         self.val_loss_mean = MeanMetric()
