@@ -47,8 +47,9 @@ def whole_model(model: torch.nn.Module, is_global_zero: bool) -> Any:
     with the whole weights on the CPU of rank 0, ``None`` on the other ranks.
 
     Sharded, this is a collective: every rank must call it (each parameter is all-gathered, one at a time, to rank
-    0's CPU). Rank 0 then holds the gathered weights and a copy of the model built from its config; tied embeddings
-    are tied in the copy, as in the config."""
+    0's CPU). Rank 0 then holds the gathered weights and a copy of the model built from its config on the meta
+    device, then given the gathered weights and the model's buffers; tied embeddings are tied in the copy, as in the
+    config."""
     if not is_sharded(model):
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -58,7 +59,12 @@ def whole_model(model: torch.nn.Module, is_global_zero: bool) -> Any:
     if not is_global_zero:
         return None
     dtype = next(value.dtype for value in state.values() if value.is_floating_point())
-    copy = AutoModelForCausalLM.from_config(model.config).to(dtype)
+    with torch.device("meta"):  # no random initialisation of weights that are overwritten next (minutes at 7 B)
+        copy = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+    copy.to_empty(device="cpu")
     copy.load_state_dict(state, strict=True)
+    copy.tie_weights()
+    for name, buffer in model.named_buffers():  # FSDP2 leaves buffers whole: the rotary tables, ...
+        copy.get_buffer(name).copy_(buffer)
     copy.train(model.training)
     return copy
