@@ -80,6 +80,14 @@ class ZenFlowConfig:
     copied down every step and added on the host (least device memory). Same numbers either way. ``"auto"``
     picks ``"device"`` when its buffers fit in the device memory free after the first step, else ``"host"``."""
 
+    host_state: Literal["fp32", "bf16"] = "bf16"
+    """Precision of the optimizer state on the host. ``"bf16"``: the moments and the window's gradient sum in bf16
+    (the first moment rounded to nearest, the second and the sum stochastically), the model's weights as the masters
+    of the host columns: 6 B per parameter on the host, 2 B for the window's sum on the device. ``"fp32"``: the exact
+    state, fp32 moments and sums (and an fp32 master for weights that are not fp32 without interim moves): 12 to 16
+    B per parameter on the host, 4 B on the device; with it every degenerate setting equals torch's AdamW to float
+    rounding (docs/update_rule.md)."""
+
     importance: Literal["l2", "l1"] = "l2"
     """Column score used for selection: squared L2 norm of the column's gradient (the paper) or its L1 sum."""
 
@@ -195,6 +203,11 @@ class ZenFlowConfig:
             raise ValueError(
                 f"accumulate_on={self.accumulate_on!r} is not one of 'auto', 'device', 'host'. Use 'device' (fastest, "
                 "an fp32 accumulator on the device), 'host' (least device memory) or 'auto' (device when it fits)."
+            )
+        if self.host_state not in ("fp32", "bf16"):
+            raise ValueError(
+                f"host_state={self.host_state!r} is not one of 'fp32' (the exact state, 12-16 B per parameter on the "
+                "host) or 'bf16' (6 B per parameter; the default)."
             )
         if self.importance not in ("l2", "l1"):
             raise ValueError(f"importance={self.importance!r} is not one of 'l2' (squared L2 norm) or 'l1'.")

@@ -9,6 +9,11 @@ The host update of a window is computed at once when the window closes (nothing 
 before it is applied, so computing it later would give the same numbers); what overlap changes is only
 *when the model shows it*, which ``_shown`` models: the host master of the last applied host update.
 
+The host state's precision (``host_state``): ``"fp32"`` keeps every host value in fp32; ``"bf16"`` is modelled value by
+value as docs/update_rule.md states it (the window's sum rounded stochastically at every addition in device mode, the
+first moment rounded to nearest and the second stochastically at every host update, the step rounded to nearest
+into the bf16 window row), with the same lattice of random numbers, written again here from the docs' formula.
+
 This file imports torch only: nothing from ``lightning_zenflow`` except the config dataclass it reads.
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -98,6 +104,88 @@ def _nan_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.full_like(tensor, float("nan"))
 
 
+# ------------------------------------------------------------------- the compact state's rounding (docs/update_rule.md)
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+COLUMN_SALT = 0x5BD1E995
+PURPOSE_ACCUMULATE, PURPOSE_EXP_AVG_SQ = 1, 2
+
+
+def _mix(x: int) -> int:
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def unit(*parts: int) -> float:
+    """24 bits of a splitmix64 chain over the parts, in [0, 1)."""
+    x = 0
+    for part in parts:
+        x = _mix((x ^ (part & _MASK64)) + _GOLDEN & _MASK64)
+    return (x >> 40) / float(1 << 24)
+
+
+def round_bf16(value: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of fp32 ``value`` to bf16 (returned as fp32): to the far neighbour when
+    ``u * step < |residual|``."""
+    nearest = value.to(torch.bfloat16).float()
+    residual = value - nearest
+    towards = torch.where(residual >= 0, 0.55 * 2.0**-7, -0.55 * 2.0**-7)
+    neighbour = (nearest + towards * nearest.abs()).to(torch.bfloat16).float()
+    far = u * (neighbour - nearest).abs() < residual.abs()
+    return torch.where(far, neighbour, nearest).to(torch.bfloat16).float()
+
+
+def lattice(row_u: torch.Tensor, col_u: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    total = row_u[:, None] + col_u[None, :] + offset
+    return total - total.floor()
+
+
+def compact_update(
+    sums: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    hp: RefHyperParams,
+    count: int,
+    divisor: float,
+    u: tuple[torch.Tensor, torch.Tensor, int],
+    master: torch.Tensor | None,
+    stochastic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One host update as the worker computes it (fp32 arithmetic with fp32 scalars), returning the stored moments
+    and either the new master (``master`` given) or the step. ``u``: the matrix's row and column numbers and salt."""
+    with_master = master is not None
+    row_u, col_u, salt = u
+    scalars = torch.tensor(
+        [
+            1.0 / divisor,
+            hp.beta1,
+            1.0 - hp.beta1,
+            hp.beta2,
+            1.0 - hp.beta2,
+            hp.lr / (1.0 - hp.beta1**count),
+            math.sqrt(1.0 - hp.beta2**count),
+            hp.eps,
+            unit(salt, PURPOSE_EXP_AVG_SQ, count),
+            hp.weight_decay if with_master and not hp.decoupled else 0.0,
+            1.0 - hp.lr * hp.weight_decay if with_master and hp.decoupled else 1.0,
+        ],
+        dtype=torch.float32,
+    )
+    grad = sums.float() * scalars[0]
+    if with_master:
+        grad = grad + master * scalars[9]
+    m = exp_avg.float()
+    m = m + (grad - m) * scalars[2]
+    v = exp_avg_sq.float() * scalars[3] + grad * grad * scalars[4]
+    step = -scalars[5] * m / (v.sqrt() / scalars[6] + scalars[7])
+    if stochastic:
+        m = m.to(torch.bfloat16).float()
+        v = round_bf16(v, lattice(row_u, col_u, scalars[8]))
+    result = master * scalars[10] + step if with_master else step
+    return m, v, result
+
+
 class _DeviceOnly:
     """A parameter with ndim <= 1: fp32 master and moments on the device side, one count."""
 
@@ -115,11 +203,25 @@ class _DeviceOnly:
         )
 
 
+@dataclass(frozen=True)
+class HostPolicy:
+    """How the host side of every matrix is kept (docs/update_rule.md, "The host state's precision")."""
+
+    compact: bool
+    """``host_state="bf16"``: bf16 moments (first rounded to nearest, second stochastically)."""
+    steps: bool
+    """The weights are the masters of the host columns: a host update is a step, landed as ``w * decay + step``."""
+    bf16_sums: bool
+    """Device-mode accumulation in the compact state: the window's sum rounded stochastically at every addition,
+    and the step rounded to nearest into the bf16 window row."""
+
+
 class _Matrix:
     """A parameter with ndim >= 2, viewed as [shape[0], numel // shape[0]], split by column."""
 
-    def __init__(self, name: str, param: torch.Tensor, group: int) -> None:
+    def __init__(self, name: str, param: torch.Tensor, group: int, policy: HostPolicy) -> None:
         self.name, self.group, self.shape, self.dtype = name, group, tuple(param.shape), param.dtype
+        self.policy = policy
         self.rows = param.shape[0]
         self.cols = param.numel() // self.rows
         initial = param.detach().float().reshape(self.rows, self.cols).clone()
@@ -143,26 +245,61 @@ class _Matrix:
         self.interim_row = torch.zeros(self.rows)
         self.interim_col = torch.zeros(self.cols)
         self.interim_decay = torch.ones(())
+        # the compact state's random numbers: per row and per column of this matrix, and its salt
+        self.salt = zlib.crc32(name.encode())
+        self.row_u = torch.tensor([unit(self.salt, i) for i in range(self.rows)], dtype=torch.float32)
+        self.col_u = torch.tensor([unit(self.salt ^ COLUMN_SALT, j) for j in range(self.cols)], dtype=torch.float32)
 
     def grad2d(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return None if grad is None else grad.detach().float().reshape(self.rows, self.cols)
 
-    def full_host_update(self, grad2d: torch.Tensor, hp: RefHyperParams, interim: bool) -> None:
-        """Warm-up: every element, synchronous, both counts +1. ``interim``: the weights are the masters; the host
-        computes the step alone (from a zero master, no decay) and the model decays and adds it."""
+    def summed(self, total: torch.Tensor, t: int) -> torch.Tensor:
+        """A window's running sum as the device keeps it after the addition of step ``t``."""
+        if not self.policy.bf16_sums:
+            return total
+        return round_bf16(total, lattice(self.row_u, self.col_u, torch.tensor(unit(self.salt, PURPOSE_ACCUMULATE, t))))
+
+    def _host_step(self, sums: torch.Tensor, divisor: int, hp: RefHyperParams, cols: torch.Tensor | None) -> None:
+        """One host update of the columns ``cols`` (all when None) from the window's ``sums``; the count is already
+        incremented. Leaves the step (steps) or the new master in ``host_master``."""
+        index = slice(None) if cols is None else cols
+        policy = self.policy
+        if policy.compact:
+            master = None if policy.steps else self.host_master[:, index]
+            m, v, result = compact_update(
+                sums[:, index],
+                self.host_exp_avg[:, index],
+                self.host_exp_avg_sq[:, index],
+                hp,
+                self.host_count,
+                float(divisor),
+                (self.row_u, self.col_u[index], self.salt),
+                master,
+                stochastic=True,
+            )
+            if policy.steps and policy.bf16_sums:
+                result = result.to(torch.bfloat16).float()  # written into the bf16 window row
+        else:
+            mean = sums[:, index] / divisor
+            start = torch.zeros_like(mean) if policy.steps else self.host_master[:, index]
+            hp_used = _no_decay(hp) if policy.steps else hp
+            result, m, v = adam_update(
+                start, self.host_exp_avg[:, index], self.host_exp_avg_sq[:, index], mean, hp_used, self.host_count
+            )
+        self.host_master[:, index] = result
+        self.host_exp_avg[:, index] = m
+        self.host_exp_avg_sq[:, index] = v
+
+    def full_host_update(self, grad2d: torch.Tensor, hp: RefHyperParams, t: int) -> None:
+        """Warm-up: every element, synchronous, both counts +1 (a window of one step). With steps the host computes
+        the step alone (no decay) and the model decays and adds it."""
         self.host_count += 1
         self.device_count += 1
-        if interim:
-            master = torch.zeros_like(self.host_master)
-            self.host_master, self.host_exp_avg, self.host_exp_avg_sq = adam_update(
-                master, self.host_exp_avg, self.host_exp_avg_sq, grad2d, _no_decay(hp), self.host_count
-            )
+        self._host_step(self.summed(grad2d, t), 1, hp, None)
+        if self.policy.steps:
             self.shown = _landed(self.shown, self.host_master, 1.0 - hp.lr * hp.weight_decay)
-            return
-        self.host_master, self.host_exp_avg, self.host_exp_avg_sq = adam_update(
-            self.host_master, self.host_exp_avg, self.host_exp_avg_sq, grad2d, hp, self.host_count
-        )
-        self.shown = self.host_master.clone()
+        else:
+            self.shown = self.host_master.clone()
 
     def device_update(self, grad2d: torch.Tensor, hp: RefHyperParams) -> None:
         cols = self.selected
@@ -179,33 +316,19 @@ class _Matrix:
         self.device_exp_avg[:, cols] = exp_avg
         self.device_exp_avg_sq[:, cols] = exp_avg_sq
 
-    def accumulate(self, grad2d: torch.Tensor) -> None:
+    def accumulate(self, grad2d: torch.Tensor, t: int) -> None:
         cols = ~self.selected
-        self.window_sum[:, cols] += grad2d[:, cols]
+        self.window_sum[:, cols] = self.summed(self.window_sum + grad2d, t)[:, cols]
         self.window_grads += 1
 
-    def host_window_update(self, hp: RefHyperParams, interim: bool) -> bool:
+    def host_window_update(self, hp: RefHyperParams) -> bool:
         """Close the window on the host side: one update of the unselected columns with the mean. True if it ran.
-        ``interim``: from a zero master without decay, which leaves minus the step in the host master."""
+        With steps: from a zero master without decay, which leaves minus the step in the host master."""
         cols = ~self.selected
         ran = bool(cols.any()) and self.window_grads > 0
         if ran:
-            mean = self.window_sum / self.window_grads
             self.host_count += 1
-            if interim:
-                self.host_master[:, cols] = 0.0
-                hp = _no_decay(hp)
-            master, exp_avg, exp_avg_sq = adam_update(
-                self.host_master[:, cols],
-                self.host_exp_avg[:, cols],
-                self.host_exp_avg_sq[:, cols],
-                mean[:, cols],
-                hp,
-                self.host_count,
-            )
-            self.host_master[:, cols] = master
-            self.host_exp_avg[:, cols] = exp_avg
-            self.host_exp_avg_sq[:, cols] = exp_avg_sq
+            self._host_step(self.window_sum, self.window_grads, hp, cols)
         self.window_sum = torch.zeros_like(self.window_sum)
         self.window_grads = 0
         return ran
@@ -235,34 +358,33 @@ class _Matrix:
         move = torch.clamp(g / denom, -1.0, 1.0) * (-coefficient)
         self.shown[:, host] = self.shown[:, host] + move
 
-    def weights_to_host(self) -> None:
-        """``interim_step``, before a selection: the weights of the host columns are their masters."""
-        cols = ~self.selected
-        self.host_master[:, cols] = self.shown[:, cols]
-
     def migrate(self, new_selected: torch.Tensor) -> None:
-        """Device columns back to the host, then the new columns from the host. Counts do not move."""
-        old = self.selected
+        """Columns that leave the device go back to the host, columns that enter it come from the host; staying
+        columns keep their device state. Counts do not move. The compact state's host moments take the leaving
+        columns' device moments rounded to nearest. With steps the weights are the masters of host columns: a leaving
+        column's weight is its device master, an entering column's device master is its weight."""
+        old, new = self.selected, new_selected.clone()
+        leaving, entering = old & ~new, new & ~old
+        for host, device in ((self.host_exp_avg, self.device_exp_avg), (self.host_exp_avg_sq, self.device_exp_avg_sq)):
+            values = device[:, leaving]
+            host[:, leaving] = values.to(torch.bfloat16).float() if self.policy.compact else values
+        if self.policy.steps:
+            self.shown[:, leaving] = self.device_master[:, leaving]
+        else:
+            self.host_master[:, leaving] = self.device_master[:, leaving]
+            # nothing is in flight: the model now shows exactly the complete host state
+            self.shown = self.host_master.clone()
+        masters = self.shown if self.policy.steps else self.host_master
         for host, device in (
-            (self.host_master, self.device_master),
+            (masters, self.device_master),
             (self.host_exp_avg, self.device_exp_avg),
             (self.host_exp_avg_sq, self.device_exp_avg_sq),
         ):
-            host[:, old] = device[:, old]
-        # nothing is in flight: the model now shows exactly the complete host state
-        self.shown = self.host_master.clone()
-        self.selected = new_selected.clone()
-        new = self.selected
-        self.device_master = _nan_like(self.host_master)
-        self.device_exp_avg = _nan_like(self.host_master)
-        self.device_exp_avg_sq = _nan_like(self.host_master)
-        for host, device in (
-            (self.host_master, self.device_master),
-            (self.host_exp_avg, self.device_exp_avg),
-            (self.host_exp_avg_sq, self.device_exp_avg_sq),
-        ):
-            device[:, new] = host[:, new]
+            device[:, entering] = host[:, entering]
+            device[:, ~new] = float("nan")  # never read while the column is on the host
+        for host in (self.host_master, self.host_exp_avg, self.host_exp_avg_sq):
             host[:, new] = float("nan")  # parked: never read until the column leaves the selection
+        self.selected = new
 
     def merged(self, host: torch.Tensor, device: torch.Tensor) -> torch.Tensor:
         return torch.where(self.selected, device, host).reshape(self.shape)
@@ -273,7 +395,8 @@ def _no_decay(hp: RefHyperParams) -> RefHyperParams:
 
 
 def _landed(shown: torch.Tensor, step: torch.Tensor, scale: float) -> torch.Tensor:
-    """``interim_step``: a host update lands by scaling the weights with its decay and adding its step."""
+    """Where the weights are the masters: a host update lands by scaling the weights with its decay and adding its
+    step."""
     return (shown if scale == 1.0 else shown * scale) + step
 
 
@@ -313,19 +436,24 @@ class ReferenceZenFlow:
         self.interval = config.update_interval
         self.warm_up = config.full_warm_up_rounds
         names_by_id = {id(param): name for param, name in names.items()}
+        trainable = [
+            (group_index, param)
+            for group_index, group in enumerate(param_groups)
+            for param in group["params"]
+            if param.requires_grad
+        ]
+        matrix_dtypes = [param.dtype for _, param in trainable if param.ndim >= 2]
+        self.interim_step = self._interim_step(param_groups, config, matrix_dtypes)
+        self.interim = self.interim_step > 0
+        self.policy = self._policy(param_groups, config, trainable)
         self.matrices: list[_Matrix] = []
         self.device_only: list[_DeviceOnly] = []
-        for group_index, group in enumerate(param_groups):
-            for param in group["params"]:
-                if not param.requires_grad:
-                    continue
-                name = names_by_id[id(param)]
-                if param.ndim >= 2:
-                    self.matrices.append(_Matrix(name, param, group_index))
-                else:
-                    self.device_only.append(_DeviceOnly(name, param, group_index))
-        self.interim_step = self._interim_step(param_groups, config)
-        self.interim = self.interim_step > 0
+        for group_index, param in trainable:
+            name = names_by_id[id(param)]
+            if param.ndim >= 2:
+                self.matrices.append(_Matrix(name, param, group_index, self.policy))
+            else:
+                self.device_only.append(_DeviceOnly(name, param, group_index))
         if config.select_strategy == "step":
             self.refresh_period: int | None = int(config.select_interval)
         else:
@@ -341,18 +469,29 @@ class ReferenceZenFlow:
         """``land_after``: the step at whose end ``pending`` is shown (None: the next window end)."""
         self.selection_changes = 0
 
-    def _interim_step(self, param_groups: Sequence[Mapping], config: ZenFlowConfig) -> float:
-        """``"auto"``: 1 with windows longer than one step, host columns, fp32 matrices and no Adam L2 term."""
+    def _interim_step(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, dtypes: list) -> float:
+        """``"auto"``: 1 with windows longer than one step, host columns, fp32 or bf16 matrices and no Adam L2 term."""
         if config.interim_step != "auto":
             return float(config.interim_step)
         groups = [RefHyperParams.read(group) for group in param_groups]
         applies = (
             config.update_interval != 1
             and self.ratio < 1
-            and all(matrix.dtype == torch.float32 for matrix in self.matrices)
+            and all(dtype in (torch.float32, torch.bfloat16) for dtype in dtypes)
             and all(hp.decoupled or hp.weight_decay == 0 for hp in groups)
         )
         return 1.0 if applies else 0.0
+
+    def _policy(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, trainable: list) -> HostPolicy:
+        """docs/update_rule.md: the host keeps fp32 masters only without interim moves, for Adam's L2 decay or, in the
+        exact state, for matrices that are not fp32; otherwise the weights are the masters."""
+        compact = config.host_state != "fp32"
+        groups = [RefHyperParams.read(group) for group in param_groups]
+        with_matrices = {index for index, param in trainable if param.ndim >= 2}
+        l2 = any(not groups[index].decoupled and groups[index].weight_decay for index in with_matrices)
+        narrow = any(param.dtype != torch.float32 for _, param in trainable if param.ndim >= 2)
+        masters = not self.interim and (l2 or (not compact and narrow))
+        return HostPolicy(compact=compact, steps=not masters, bf16_sums=compact and config.accumulate_on != "host")
 
     # ------------------------------------------------------------------------------------------- the rule
     def step(self, grads: Mapping[str, torch.Tensor | None]) -> RefStepInfo:
@@ -366,7 +505,7 @@ class ReferenceZenFlow:
             for matrix in self.matrices:
                 grad2d = matrix.grad2d(grads.get(matrix.name))
                 if grad2d is not None:
-                    matrix.full_host_update(grad2d, hparams[matrix.group], self.interim)
+                    matrix.full_host_update(grad2d, hparams[matrix.group], self.t)
             return RefStepInfo(window_end=True, selected=False, selection_changed=False)
 
         selected = changed = False
@@ -382,7 +521,7 @@ class ReferenceZenFlow:
                 continue
             if matrix.selected.any():
                 matrix.device_update(grad2d, hparams[matrix.group])
-            matrix.accumulate(grad2d)
+            matrix.accumulate(grad2d, self.t)
             if self.interim:
                 hp = hparams[matrix.group]
                 coefficient = self.interim_step * hp.lr * (self.interval - 1) / self.interval
@@ -404,7 +543,7 @@ class ReferenceZenFlow:
             self.sync()  # the previous window's update reaches the model first
         computed = {}
         for matrix in self.matrices:
-            if matrix.host_window_update(hparams[matrix.group], self.interim):
+            if matrix.host_window_update(hparams[matrix.group]):
                 hp = hparams[matrix.group]
                 computed[matrix.name] = (matrix.host_master.clone(), 1.0 - hp.lr * hp.weight_decay)
         self.steps_in_window = 0
@@ -418,8 +557,6 @@ class ReferenceZenFlow:
         assert self.pending is None, "migration needs every host update applied"
         changed = False
         for matrix in self.matrices:
-            if self.interim:
-                matrix.weights_to_host()
             scores = column_scores(matrix.grad2d(grads.get(matrix.name)), matrix.cols, self.config.importance)
             new_selected = choose_columns(scores, num_columns(matrix.cols, self.ratio))
             if self.t_select is not None and not torch.equal(new_selected, matrix.selected):
@@ -436,7 +573,7 @@ class ReferenceZenFlow:
         by_name = {matrix.name: matrix for matrix in self.matrices}
         for name, (master, scale) in self.pending.items():
             matrix = by_name[name]
-            matrix.shown = _landed(matrix.shown, master, scale) if self.interim else master
+            matrix.shown = _landed(matrix.shown, master, scale) if self.policy.steps else master
         self.pending = None
 
     def flush(self) -> None:
@@ -457,7 +594,9 @@ class ReferenceZenFlow:
 
     def masters(self) -> dict[str, torch.Tensor]:
         """The current fp32 master of every parameter (device values for selected columns, host for the rest)."""
-        out = {m.name: m.merged(m.host_master, m.device_master) for m in self.matrices}
+        out = {
+            m.name: m.merged(m.shown if self.policy.steps else m.host_master, m.device_master) for m in self.matrices
+        }
         out.update({v.name: v.master.clone() for v in self.device_only})
         return out
 

@@ -1,4 +1,5 @@
-"""The degenerate cases of DESIGN section 4 equal plain torch Adam/AdamW (to float rounding).
+"""The degenerate cases of DESIGN section 4 equal plain torch Adam/AdamW (to float rounding), in the exact state
+(``host_state="fp32"``; the compact state's degenerate cases are in ``tests/test_host_state.py``).
 
 - rho=1, any S: every column on the device, so the engine is AdamW (also after a host-side warm-up);
 - rho=0, S=1, overlap off: every matrix on the host, updated every step, synchronously: AdamW;
@@ -107,6 +108,7 @@ def test_tracks_torch_on_a_weight_dependent_loss(kind: str, ratio: float, interv
         overlap_step=overlap,
         select_strategy="step",
         select_interval=max(interval, 3),  # refreshes happen and must change nothing
+        host_state="fp32",  # the exact state: the compact one equals AdamW with its compression (test_host_state.py)
     )
     names = {param: name for name, param in model.named_parameters()}
     start = copy.deepcopy(model)
@@ -141,7 +143,9 @@ def test_rho_zero_with_overlap_is_adamw_one_step_late() -> None:
     twin = copy.deepcopy(model)
     opt, twin_opt = _optimizer(model, "adamw"), _optimizer(twin, "adamw")
     schedulers = [_scheduler(opt), _scheduler(twin_opt)]
-    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.0, update_interval=1, overlap_step=True)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.0, update_interval=1, overlap_step=True, host_state="fp32"
+    )
     names = {param: name for name, param in model.named_parameters()}
     generator = torch.Generator().manual_seed(2)
     iterates = [copy.deepcopy(twin.state_dict())]  # iterates[t] = AdamW after t steps

@@ -299,7 +299,9 @@ def test_load_torch_state_dict_continues_plain_adamw(ratio: float, overlap: bool
         plain_opt.zero_grad()
     model = copy.deepcopy(plain)
     opt = _optimizer(model)
-    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=ratio, update_interval=1, overlap_step=overlap)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=ratio, update_interval=1, overlap_step=overlap, host_state="fp32"
+    )
     names = {param: name for name, param in model.named_parameters()}
     with ZenFlowEngine(opt, config, param_names=names) as engine:
         engine.load_torch_state_dict(copy.deepcopy(plain_opt.state_dict()))

@@ -388,7 +388,6 @@ MUTATIONS = {
     "window copied": ("device", {"d2h": 0.02}, True),
     "ring gathered": ("host", {"side": 0.02}, True),
     "ring copied": ("host", {"d2h": 0.02}, True),
-    "upload arrived": ("device", {"h2d": 0.02}, True),
     "launch: window copied": ("device", {"d2h": 0.02}, True),
 }
 CPU_UNOBSERVABLE = {

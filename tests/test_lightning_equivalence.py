@@ -22,9 +22,9 @@ from lightning_zenflow import ZenFlowConfig, ZenFlowEngine, ZenFlowStrategy
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
-DEVICE_ONLY = {"topk_ratio": 1.0}
+DEVICE_ONLY = {"topk_ratio": 1.0, "host_state": "fp32"}
 """Every column on the device: no host worker."""
-HOST_SYNC = {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False}
+HOST_SYNC = {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False, "host_state": "fp32"}
 """Every matrix on the host, updated synchronously at every step."""
 
 

@@ -19,7 +19,13 @@ from lightning_zenflow import ZenFlowAdamW, ZenFlowStrategy
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
 DEVICE_ONLY = {"topk_ratio": 1.0, "full_warm_up_rounds": 0}
-HOST_SYNC = {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False, "full_warm_up_rounds": 0}
+HOST_SYNC = {
+    "topk_ratio": 0.0,
+    "update_interval": 1,
+    "overlap_step": False,
+    "full_warm_up_rounds": 0,
+    "host_state": "fp32",
+}
 DEFAULTS = {"topk_ratio": 0.25, "update_interval": 2, "full_warm_up_rounds": 1}
 
 

@@ -24,7 +24,13 @@ from lightning_zenflow.optim import TORCH_OPTIONS
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
 DEVICE_ONLY = {"full_warm_up_rounds": 0, "topk_ratio": 1.0}
-HOST_SYNC = {"full_warm_up_rounds": 0, "topk_ratio": 0.0, "update_interval": 1, "overlap_step": False}
+HOST_SYNC = {
+    "full_warm_up_rounds": 0,
+    "topk_ratio": 0.0,
+    "update_interval": 1,
+    "overlap_step": False,
+    "host_state": "fp32",
+}
 EXACT = pytest.mark.parametrize("knobs", [DEVICE_ONLY, HOST_SYNC], ids=["device_only", "host_sync"])
 SHORT = {"full_warm_up_rounds": 2, "update_interval": 3}
 """The rule with every part in play within a few steps: a warm-up, windows, a host update in flight (overlapped)."""

@@ -1,19 +1,22 @@
 """Where the window's host-bound gradients are summed: the two accumulation modes, and the choice between them.
 
-The window's host-bound gradient columns are summed in fp32, one exact addition per step, in the same order in
-both modes, so the host worker receives bit-identical sums (the worker divides by the count: the mean):
-
-``DeviceAccumulation`` (``accumulate_on="device"``): an fp32 ``[rows, cols]`` accumulator per matrix on the
-device, added to on the side stream at every step; at a window end it is copied down once, straight into the
-host block's accumulator row that the worker reads. Nothing model-sized runs in the training process per step.
-Link: 4 B per matrix element per window down.
+``DeviceAccumulation`` (``accumulate_on="device"``): one ``[rows, cols]`` accumulator per matrix on the device, added to
+on the side lane at every step; at a window end it is copied down once, straight into the host's window row that the
+worker reads. Its dtype is the host format's (``engine/layout.py``): bf16 in the compact state (``host_state="bf16"``),
+each addition rounded stochastically (``engine/rounding.py``, ``engine/kernels.py``'s ``accumulate_bf16_``): 2 B per
+matrix element; fp32 in the exact state, one exact conversion and one rounding per addition: 4 B. Nothing
+model-sized runs in the training process per step. Link: 2 (or 4) B per matrix element per window down.
 
 ``HostAccumulation`` (``accumulate_on="host"``): at every step the unselected columns of each gradient are
-gathered on the device into a fixed-size device slot, copied down into a pinned slot, and added by the helper
+gathered on the device into a fixed-size device slot, copied down into a pinned slot, and added in fp32 by the helper
 thread into the host accumulator, where each matrix's unselected columns are kept *packed* (``[rows, n]``
 contiguous, so the add is a plain contiguous add at memory bandwidth). Device memory: the two slots, whatever
 the model size. Link: (1 - rho) x model bytes per step. The training thread waits only when both slots are
 still being added (the host add is the throughput limit of this mode; see docs/performance.md).
+
+With the exact state both modes sum in fp32, in the same order: the worker receives bit-identical sums. With the
+compact state the device mode's sum is rounded at every step and the host mode's is not: their numbers differ by
+that rounding.
 
 :func:`choose_accumulation` builds one of them at the first step (``"auto"``: the device when its buffers fit).
 """
@@ -29,10 +32,13 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
 from lightning_zenflow.engine.errors import UnsupportedSetupError
-from lightning_zenflow.engine.landing import Uploads
+from lightning_zenflow.engine.host_step import COLUMN_SALT
+from lightning_zenflow.engine.kernels import Kernels
+from lightning_zenflow.engine.landing import Uploads, landing_ring_bytes
 from lightning_zenflow.engine.lanes import Event, Lanes
-from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, MatrixSlot
+from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, HostFormat, MatrixSlot
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, offset_of, salt_of, unit_table
 from lightning_zenflow.engine.transfer import Helper, copy_all
 
 STAGING_SLOT_BYTES = 64 * 1024 * 1024
@@ -57,54 +63,98 @@ def _gather_columns(rows: torch.Tensor, columns: torch.Tensor, out: torch.Tensor
 
 
 class DeviceAccumulation:
-    """``accumulate_on="device"``: fp32 accumulators on the device, copied down once per window."""
+    """``accumulate_on="device"``: accumulators on the device (bf16 or fp32), copied down once per window."""
 
     mode = "device"
 
-    def __init__(self, lanes: Lanes, slots: Sequence[MatrixSlot], host_buffers: Sequence[GroupHostBuffers]) -> None:
+    def __init__(
+        self,
+        lanes: Lanes,
+        slots: Sequence[MatrixSlot],
+        host_buffers: Sequence[GroupHostBuffers],
+        dtype: torch.dtype = torch.float32,
+        kernels: Kernels | None = None,
+        row_offsets: Mapping[str, int] | None = None,
+    ) -> None:
         self.lanes = lanes
         self.host_buffers = host_buffers
+        self.dtype = dtype
+        self.kernels = kernels
         # this rank's rows only: the other rows' host state lives on other ranks
         self.acc_device = {
-            (s.group_index, s.index_in_group): torch.zeros(
-                s.host_rows, s.cols, dtype=torch.float32, device=lanes.device
-            )
+            (s.group_index, s.index_in_group): torch.zeros(s.host_rows, s.cols, dtype=dtype, device=lanes.device)
             for s in slots
         }
         self._offsets = {(s.group_index, s.index_in_group): s.offset for s in slots}
+        self.noise: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        """bf16: per matrix, the rounding's row and column numbers on the device, and its salt."""
+        if dtype == torch.bfloat16:
+            for s in slots:
+                row_start = (row_offsets or {}).get(s.name, 0) + s.row_start
+                row_u = unit_table(salt_of(s.name), row_start, s.host_rows).to(lanes.device)
+                col_u = unit_table(salt_of(s.name) ^ COLUMN_SALT, 0, s.cols).to(lanes.device)
+                self.noise[(s.group_index, s.index_in_group)] = (row_u, col_u, salt_of(s.name))
         self.d2h_bytes = 0
 
     def add(
-        self, states: Sequence[SelectedState], slot: int, first_in_window: bool, helper: Helper, upload_read: Event
+        self,
+        states: Sequence[SelectedState],
+        slot: int,
+        first_in_window: bool,
+        helper: Helper,
+        upload_read: Event,
+        t: int = 0,
     ) -> None:
-        """Add this step's gradients (whole rows), on the side lane after the device update."""
+        """Add step ``t``'s gradients (whole rows), on the side lane after the device update."""
         lanes = self.lanes
         # the window's first add overwrites the accumulators: the engine's side-lane wait "window copied", issued
         # before this, orders it after the last window's copy down
         work = []
         for state in states:
-            acc = self.acc_device.get((state.slot.group_index, state.slot.index_in_group))
+            key = (state.slot.group_index, state.slot.index_in_group)
+            acc = self.acc_device.get(key)
             if acc is None:
                 continue
             grad = state.slot.param.grad
             if grad is None:
                 if first_in_window:
-                    work.append((acc, None))
+                    work.append((acc, None, None))
                 continue
             # made on the compute lane, read on the side lane: keep it alive past zero_grad
             lanes.keep_for(grad, lanes.side)
-            work.append((acc, state.slot.own(grad)))
-        lanes.side.run(self._add_all, work, first_in_window)
+            work.append((acc, state.slot.own(grad), self.noise.get(key)))
+        if self.dtype == torch.bfloat16:
+            # the step's lattice offsets, one per matrix: one asynchronous copy up from pinned memory
+            offsets_host = lanes.empty_host(max(1, len(work)), torch.float32)
+            for index, (_, _, noise) in enumerate(work):
+                offsets_host[index] = offset_of(noise[2], PURPOSE_ACCUMULATE, t) if noise is not None else 0.0
+            lanes.side.run(self._add_all_bf16, work, first_in_window, offsets_host, self.kernels, lanes.is_cuda)
+        else:
+            lanes.side.run(self._add_all, work, first_in_window)
 
     @staticmethod
-    def _add_all(work: Sequence[tuple[torch.Tensor, torch.Tensor | None]], first_in_window: bool) -> None:
-        for acc, grad2d in work:
+    def _add_all(work: Sequence[tuple], first_in_window: bool) -> None:
+        for acc, grad2d, _ in work:
             if grad2d is None:
                 acc.zero_()
             elif first_in_window:
                 acc.copy_(grad2d)  # the window's first gradient overwrites: no zeroing pass
             else:
                 acc.add_(grad2d)  # fp32 + (model dtype cast to fp32): one exact conversion, one rounding
+
+    @staticmethod
+    def _add_all_bf16(
+        work: Sequence[tuple], first_in_window: bool, offsets_host: torch.Tensor, kernels: Kernels, is_cuda: bool
+    ) -> None:
+        if not work:
+            return
+        offsets = offsets_host.to(work[0][0].device, non_blocking=is_cuda)
+        for index, (acc, grad2d, noise) in enumerate(work):
+            if grad2d is None:
+                acc.zero_()
+                continue
+            row_u, col_u, _ = noise
+            kernels.accumulate_bf16_(acc, grad2d, row_u, col_u, offsets[index], first_in_window)
 
     def finish_window(self, slot: int, active: Sequence[Sequence[int]]) -> None:
         """Issue on the d2h lane the copies of the active matrices' accumulators into host accumulator ``slot``.
@@ -125,7 +175,7 @@ class DeviceAccumulation:
 
     def window_sum(self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor) -> torch.Tensor:
         """The open window's sum of this rank's rows of one matrix, ``[host_rows, cols]`` fp32 on the CPU."""
-        return self.acc_device[(slot.group_index, slot.index_in_group)].cpu()
+        return self.acc_device[(slot.group_index, slot.index_in_group)].float().cpu()
 
     def restore_window_sum(
         self, slot: MatrixSlot, host_slot: int, unselected: torch.Tensor, value: torch.Tensor
@@ -161,7 +211,13 @@ class HostAccumulation:
         self.stall_s = 0.0
 
     def add(
-        self, states: Sequence[SelectedState], slot: int, first_in_window: bool, helper: Helper, upload_read: Event
+        self,
+        states: Sequence[SelectedState],
+        slot: int,
+        first_in_window: bool,
+        helper: Helper,
+        upload_read: Event,
+        t: int = 0,
     ) -> None:
         """Gather (side lane), copy down (d2h lane) and add (helper thread) this step's unselected columns, after
         the device update; the training thread blocks only while both ring slots are still being added."""
@@ -321,17 +377,23 @@ def choose_accumulation(
     host_buffers: Sequence[GroupHostBuffers],
     device_updater: DeviceUpdater,
     ranks: Ranks,
+    host_format: HostFormat,
+    kernels: Kernels | None = None,
+    row_offsets: Mapping[str, int] | None = None,
 ) -> tuple[DeviceAccumulation | HostAccumulation, Uploads, str]:
     """Build the accumulation mode and its uploads (``"auto"``: device when its buffers fit, measured now, after the
     first backward has allocated the gradients). Returns them and a sentence saying why that mode."""
     slots = [s for g in layout for s in g.matrices if may_go_to_host(config, s)]
-    need = sum(s.host_numel * (4 + s.param.element_size()) for s in slots)  # fp32 accumulator + upload buffer
+    window = host_format.for_mode("device").window
+    itemsize = torch.empty((), dtype=window).element_size()
+    need = sum(s.host_numel * itemsize for s in slots)  # the accumulators
+    need += landing_ring_bytes(slots)
     need += selection_device_bytes(config, layout, device_updater, ranks)
     mode = config.accumulate_on
     if mode == "auto":
         free = lanes.free_bytes()
         fits = need * AUTO_DEVICE_MARGIN <= free
-        # every rank takes the same mode (the results are equal either way; the telemetry is easier to read)
+        # every rank takes the same mode (the telemetry is easier to read)
         mode = "device" if ranks.agree(float(fits), lanes.device, op="min") else "host"
         reason = (
             f"accumulate_on='auto' chose {mode!r}: the device buffers need {need / 2**20:.1f} MiB, "
@@ -339,13 +401,16 @@ def choose_accumulation(
         )
     else:
         reason = f"accumulate_on={mode!r} (configured)"
+    uploads = Uploads(lanes, device_updater, host_buffers, ranks, row_offsets)
     if mode == "device":
-        accumulation: DeviceAccumulation | HostAccumulation = DeviceAccumulation(lanes, slots, host_buffers)
-        return accumulation, Uploads(lanes, device_updater, host_buffers, slots, ranks), reason
+        accumulation: DeviceAccumulation | HostAccumulation = DeviceAccumulation(
+            lanes, slots, host_buffers, window, kernels, row_offsets
+        )
+        return accumulation, uploads, reason
     # a slot never larger than the largest gradient it would carry (a small model needs no 64 MiB ring)
     largest = max((s.host_numel * s.param.element_size() for s in slots), default=1)
     accumulation = HostAccumulation(lanes, host_buffers, max(1, min(STAGING_SLOT_BYTES, largest)))
-    return accumulation, Uploads(lanes, device_updater, host_buffers, None, ranks), reason
+    return accumulation, uploads, reason
 
 
 def complement(selected: torch.Tensor, cols: int) -> torch.Tensor:

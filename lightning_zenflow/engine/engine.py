@@ -130,7 +130,7 @@ class ZenFlowEngine(EngineLifecycle):
         with torch.profiler.record_function("zenflow.accumulate"):
             stalled_before = self._accumulation_stall()
             self.accumulation.add(
-                states, self.schedule.slot, plan.first_in_window, self.helper, self.uploads.source_read
+                states, self.schedule.slot, plan.first_in_window, self.helper, self.uploads.source_read, plan.t
             )
             self._stall_s += self._accumulation_stall() - stalled_before
         updater.end_step()
@@ -219,16 +219,17 @@ class ZenFlowEngine(EngineLifecycle):
         self.lanes.synchronize()
 
     def host_masters_from_weights(self, device_too: bool = False) -> None:
-        """Set every matrix's host master (this rank's rows) from the model's weights, and (``device_too``) the
-        selected columns' device masters. Blocking device -> host copies, with nothing in flight: at a selection
-        (``interim_step``) or an explicit boundary only."""
+        """Set every matrix's host master (this rank's rows, where the host keeps masters) from the model's weights,
+        and (``device_too``) the selected columns' device masters. Blocking device -> host copies, with nothing in
+        flight: at an explicit boundary only."""
         self.lanes.synchronize()
         with torch.no_grad():
             for group_index, host in enumerate(self.host_buffers):
                 for state in self.device_updater.selected[group_index]:
                     slot = state.slot
                     weights2d = slot.param.detach().view(slot.rows, slot.cols)
-                    slot.view2d(host.master).copy_(weights2d[slot.row_start : slot.row_stop])
+                    if host.master is not None:
+                        slot.view2d(host.master).copy_(weights2d[slot.row_start : slot.row_stop])
                     if device_too and state.k:
                         state.master.copy_(weights2d.index_select(1, state.selected))
         self.merge_cache = None
@@ -246,8 +247,17 @@ class ZenFlowEngine(EngineLifecycle):
     def _choose_accumulation(self) -> None:
         """Build the accumulation mode at the first step (``engine/accumulate.py``)."""
         self.accumulation, self.uploads, self.accumulate_on_reason = choose_accumulation(
-            self.config, self.lanes, self.layout, self.host_buffers, self.device_updater, self.ranks
+            self.config,
+            self.lanes,
+            self.layout,
+            self.host_buffers,
+            self.device_updater,
+            self.ranks,
+            self.host_format,
+            self.kernels,
+            self.row_offsets,
         )
+        self.use_window_rows(self.accumulation.mode)
         if self._restored_window_sums is not None:
             self._restore_window_sums(self._restored_window_sums)
             self._restored_window_sums = None
@@ -267,7 +277,7 @@ class ZenFlowEngine(EngineLifecycle):
         slot = self.schedule.slot
         counts = self.schedule.close_window()
         host_mode = isinstance(self.accumulation, HostAccumulation)
-        jobs = host_jobs(self.device_updater.selected, hparams, counts, host_mode, step_only=self.interim is not None)
+        jobs = host_jobs(self.device_updater.selected, hparams, counts, host_mode)
         if overlap and self.schedule.pending is not None:
             self._timed_wait(self._land_pending)
         active = [list(job.active) for job in jobs]
@@ -278,7 +288,7 @@ class ZenFlowEngine(EngineLifecycle):
             if overlap and land_after is not None and land_after < self.schedule.interval:
                 land_at = self.schedule.t + land_after
             scales = None
-            if self.interim is not None:
+            if not self.host_format.master:
                 # the weights are the host columns' masters: the window end's weight decay lands with the step
                 # (per active matrix; the launch sets 1 where every gradient of the window was skipped)
                 scales = [[1.0 - job.hparams.lr * job.hparams.weight_decay] * len(job.active) for job in jobs]
@@ -297,11 +307,9 @@ class ZenFlowEngine(EngineLifecycle):
     def _land_pending(self) -> None:
         pending = self.schedule.pending
         if self.uploads is None:
-            # a restored update applied before the first step (a sync right after a load): no upload buffers yet,
-            # so it goes up from the host as in host mode
-            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, None, self.ranks)
-        if self.interim is not None:
-            self.uploads.landing_add = self.interim.kernels.landing_add_
+            # a restored update applied before the first step (a sync right after a load)
+            self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, self.ranks, self.row_offsets)
+        self.uploads.landing_add = self.kernels.landing_add_
         self.landing.land(pending, self._worker, self.uploads, self.device_updater, seed=self.schedule.t)
         self.schedule.pending = None
 
@@ -354,8 +362,6 @@ class ZenFlowEngine(EngineLifecycle):
             states = self.device_updater.matrix_states()
             previous = [state.selected_host for state in states] if self.schedule.last_select_t is not None else None
             new_selected, scores_host = choose_columns(self.lanes, states, self.config, self.ranks)
-            if self.interim is not None:
-                self.host_masters_from_weights()  # the weights are the host columns' masters
             moved = migrate(self.lanes, self.device_updater, self.host_buffers, new_selected, self.ranks)
             self._refresh_bytes[0] += moved.d2h_bytes
             self._refresh_bytes[1] += moved.h2d_bytes

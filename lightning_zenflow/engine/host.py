@@ -1,20 +1,23 @@
-"""The host worker: one spawned process per engine that runs AdamW over the flat shared host buffers.
+"""The host worker: one spawned process per engine that runs AdamW over the shared host rows.
 
 Protocol (one duplex pipe, one command at a time, at most one update in flight):
 
     main -> worker   ("update", seq, slot, [group jobs])                    run one AdamW step
+                     ("attach", [window rows per group])                   use these window rows from now on
                      ("stop",)                                              exit cleanly
                      ("release",) then ("adopt", spec)                      become a spare, then serve the next
                                                                             engine (``keep_spare_workers``)
     worker -> main   ("ready", pid)                                         after start-up (or an adoption)
+                     ("attached",)                                          after an attach
                      ("released",)                                          a spare, holding nothing
                      ("done", seq, compute_seconds)                         after an update
                      ("error", seq, traceback_text)                         the update raised
 
-The worker uses torch's fused CPU AdamW kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``), which is
-as fast as DeepSpeed's hand-written AVX CPU Adam. A heartbeat thread stamps a shared clock every 0.2 s, so
-the main process notices a worker that died *or* stopped answering (frozen, stopped, swapped out) within
-``worker_timeout_s``, never hanging.
+The step itself is ``engine/host_step.py``: one source in torch ops over the host layout (fp32 or bf16 moments, the
+window row, a master where there is one), compiled into a fused C++ loop where a compiler is found. The worker builds
+it right after it says "ready", while the training process runs its first steps. A heartbeat thread stamps a shared
+clock every 0.2 s, so the main process notices a worker that died *or* stopped answering (frozen, stopped, swapped
+out) within ``worker_timeout_s``, never hanging.
 """
 
 from __future__ import annotations
@@ -38,7 +41,15 @@ from typing import NoReturn
 import torch
 
 import lightning_zenflow.engine.spares as spares
-from lightning_zenflow.engine.device import HyperParams, adam_update_
+from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.host_step import (
+    NoiseTables,
+    StepHyperParams,
+    adam_master_step_,
+    adam_step_,
+    step_region,
+)
+from lightning_zenflow.engine.kernels import Kernels
 
 HEARTBEAT_PERIOD_S = 0.2
 WORKER_ENV = "LIGHTNING_ZENFLOW_HOST_WORKER"
@@ -62,6 +73,10 @@ class MatrixExtent:
     """Columns of the ``[rows, cols]`` view (needed to unpack a packed accumulator)."""
     col_offset: int = 0
     """Where this matrix's columns start in its group's shared column-index buffer."""
+    salt: int = 0
+    """The matrix's salt (``engine/rounding.py``): its stochastic rounding draws its own numbers."""
+    row_start: int = 0
+    """The global index of the first row this rank holds (the rounding's numbers are by global row)."""
 
 
 @dataclass(frozen=True)
@@ -78,24 +93,38 @@ class GroupJob:
     packed_columns: tuple[int, ...] | None = None
     """``accumulate_on="host"``: per active matrix, how many columns its accumulator holds packed (``[rows, n]``
     contiguous, the columns listed in the spec's ``unselected`` buffer); None: whole ``[rows, cols]`` rows."""
-    step_only: bool = False
-    """``interim_step > 0``: the model's weights are the masters of the host columns, so the worker computes the step
-    alone: each active matrix's master region is zeroed and updated without weight decay, which leaves ``-step``
-    there; the device decays the weights and adds it when the update lands."""
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """One param group's shared host rows, as the worker uses them (``engine/layout.py``)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    steps: torch.Tensor
+    """``[n_matrices]`` fp32: each matrix's host update count."""
+    master: torch.Tensor | None
+    """fp32 masters where the host keeps them; None: the weights are the masters, the worker writes steps."""
+    windows: tuple[torch.Tensor, ...] = ()
+    """The window rows (one, or two in host mode)."""
+
+    def window(self, slot: int) -> torch.Tensor:
+        return self.windows[slot % len(self.windows)]
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """What the worker process needs at start-up (picklable; tensors travel as shared memory)."""
 
-    blocks: tuple[torch.Tensor, ...]
-    steps: tuple[torch.Tensor, ...]
+    groups: tuple[WorkerGroup, ...]
     extents: tuple[tuple[MatrixExtent, ...], ...]
     heartbeat: torch.Tensor
     threads: int
     cores: tuple[int, ...] | None
     unselected: tuple[torch.Tensor, ...] = ()
     """Per group, shared int64: each matrix's host-bound column indices at its ``col_offset`` (host mode)."""
+    kernel_mode: str = "auto"
+    """How the step runs: ``interim_kernel``'s values (``engine/kernels.py``)."""
     delay_s: float = 0.0
     """Test hook: sleep this long before each update (a deliberately slow worker)."""
     fail_at_update: int | None = None
@@ -140,24 +169,58 @@ UNPACK_SCRATCH_ELEMENTS = 1 << 22
 """The worker's fp32 scratch for unpacking host-mode accumulators (16 MiB)."""
 
 
+class StepKernels:
+    """The step functions as the worker runs them (compiled or eager) and the rounding's tables."""
+
+    def __init__(self, mode: str = "eager") -> None:
+        self.kernels = Kernels(mode, torch.device("cpu"))
+        if self.kernels.mode == "compiled":
+            import torch._inductor.config as inductor_config
+
+            # build in this process: a pool of compile processes would outlive nothing but cost start-up and memory
+            inductor_config.compile_threads = 1
+        self.step_ = self.kernels.wrap(adam_step_)
+        self.master_step_ = self.kernels.wrap(adam_master_step_)
+        self.noise = NoiseTables()
+
+    def warm(self, groups: Sequence[WorkerGroup]) -> None:
+        """Build the step for the dtypes of ``groups`` on a tiny region (the first real update then runs at once)."""
+        done = set()
+        for group in groups:
+            for window in group.windows:
+                key = (window.dtype, group.exp_avg.dtype, group.master is not None)
+                if key in done:
+                    continue
+                done.add(key)
+                grad = torch.zeros(2, 3, dtype=window.dtype)
+                m, v = (torch.zeros(2, 3, dtype=group.exp_avg.dtype) for _ in range(2))
+                master = torch.zeros(2, 3) if group.master is not None else None
+                hp = StepHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, 1.0)
+                step_region(
+                    self.step_, self.master_step_, grad, m, v, master, self.noise.of(0, 0, 2, 3), hp.scalars(0, False)
+                )
+
+
 def host_adam_update(
-    block: torch.Tensor,
-    steps: torch.Tensor,
+    group: WorkerGroup,
     extents: Sequence[MatrixExtent],
     slot: int,
     job: GroupJob,
     unselected: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    kernels: StepKernels | None = None,
 ) -> None:
-    """One AdamW step on the active matrices of a group with the mean of accumulator ``slot``.
+    """One AdamW step on the active matrices of a group with the mean of window ``slot``.
 
-    Then writes the new weights of each active matrix whose model dtype is not fp32, cast to that dtype, into
-    the bytes of that accumulator (the staging area of the upload); fp32 weights are uploaded from the master
-    itself. Runs in the worker; also importable for tests.
+    Without a master (the weights are the masters) the step is written over the window row it read; with one, the
+    master is updated and the new weights of a matrix that is not fp32 are written, cast to its dtype, into the bytes
+    of that row (the staging area of the upload; fp32 weights go up from the master itself). Runs in the worker; also
+    importable for tests and benchmarks.
     """
     if not job.active:
         return
-    master, exp_avg, exp_avg_sq, grad_acc = block[0], block[1], block[2], block[3 + slot]
+    kernels = kernels or StepKernels()
+    grad_acc = group.window(slot)
     if job.packed_columns is not None:
         if unselected is None:
             raise ValueError("a packed accumulator needs the host-bound column indices (unselected).")
@@ -165,36 +228,39 @@ def host_adam_update(
             scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32)
         unpack_accumulators(grad_acc, extents, job, unselected, scratch)
     hp = job.hparams
-    if job.step_only:
-        hp = dataclasses.replace(hp, weight_decay=0.0)
-        for index in job.active:
-            extent = extents[index]
-            master[extent.offset : extent.offset + extent.numel].zero_()
-    # one fused call per distinct divisor; grad_scale (an extra division per element) only when it is not 1.
-    # A divisor of 0: every gradient of the window was skipped (16-mixed overflow): no update, staging only.
-    for divisor in sorted(set(job.mean_divisors) - {0.0}):
-        params, grads, exp_avgs, exp_avg_sqs, state_steps = [], [], [], [], []
-        for index, matrix_divisor in zip(job.active, job.mean_divisors):
-            if matrix_divisor != divisor:
-                continue
-            extent = extents[index]
-            window = slice(extent.offset, extent.offset + extent.numel)
-            params.append(master[window])
-            grads.append(grad_acc[window])
-            exp_avgs.append(exp_avg[window])
-            exp_avg_sqs.append(exp_avg_sq[window])
-            state_steps.append(steps[index : index + 1].view(()))
-        grad_scale = None if divisor == 1.0 else torch.tensor(float(divisor))
-        adam_update_(params, grads, exp_avgs, exp_avg_sqs, state_steps, hp, grad_scale=grad_scale)
-    for index in job.active:
+    with_master = group.master is not None
+    for index, divisor in zip(job.active, job.mean_divisors):
         extent = extents[index]
-        if extent.dtype == torch.float32:
-            continue
-        master_view = master[extent.offset : extent.offset + extent.numel]
-        region = grad_acc[extent.offset : extent.offset + extent.numel]
-        itemsize = torch.empty((), dtype=extent.dtype).element_size()
-        staged = region.view(torch.uint8)[: extent.numel * itemsize].view(extent.dtype)
-        staged.copy_(master_view)
+        window = slice(extent.offset, extent.offset + extent.numel)
+        rows = extent.numel // max(extent.cols, 1) if extent.cols else 1
+        cols = extent.numel // rows
+        grad2d = grad_acc[window].view(rows, cols)
+        if divisor == 0.0:
+            # every gradient of the window was skipped (16-mixed overflow): no update; a zero step, or the weights
+            # staged as they are
+            if not with_master:
+                grad2d.zero_()
+        else:
+            steps = group.steps[index : index + 1]
+            steps.add_(1.0)
+            step_hp = StepHyperParams(
+                hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled, int(steps.item()), divisor
+            )
+            master2d = group.master[window].view(rows, cols) if with_master else None
+            step_region(
+                kernels.step_,
+                kernels.master_step_,
+                grad2d,
+                group.exp_avg[window].view(rows, cols),
+                group.exp_avg_sq[window].view(rows, cols),
+                master2d,
+                kernels.noise.of(extent.salt, extent.row_start, rows, cols),
+                step_hp.scalars(extent.salt, with_master),
+            )
+        if with_master and extent.dtype != torch.float32:
+            itemsize = torch.empty((), dtype=extent.dtype).element_size()
+            staged = grad_acc[window].view(torch.uint8)[: extent.numel * itemsize].view(extent.dtype)
+            staged.copy_(group.master[window])
 
 
 def _die_with_parent() -> None:
@@ -248,10 +314,16 @@ def _serve(
         os.sched_setaffinity(0, all_cores)
     torch.set_num_threads(spec.threads)
     scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32) if spec.unselected else None
+    groups = spec.groups
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(spec.heartbeat, stop), daemon=True)
     beat.start()
     conn.send(("ready", os.getpid()))
+    kernels = StepKernels(spec.kernel_mode)
+    # the step's build (seconds when compiled, cached on disk by torch) overlaps the training's first steps; a failure
+    # shows again, with its traceback, at the first update
+    with contextlib.suppress(Exception):
+        kernels.warm(groups)
     try:
         while True:
             # blocks until the main process sends the next command (or closes the pipe)
@@ -265,10 +337,15 @@ def _serve(
                 # the engine closed and keeps this process as a spare: drop every reference to its buffers
                 stop.set()
                 beat.join()  # thread join: the heartbeat no longer writes the released engine's clock
-                spec = scratch = None
+                spec = scratch = groups = kernels = None
                 gc.collect()  # and any cycle that still holds one: the blocks are unmapped now
                 conn.send(("released",))
                 return _wait_for_adoption(conn)
+            if command[0] == "attach":
+                # the accumulation mode was chosen: the window rows it sums into
+                groups = tuple(dataclasses.replace(g, windows=tuple(w)) for g, w in zip(groups, command[1]))
+                conn.send(("attached",))
+                continue
             _, seq, slot, jobs = command
             try:
                 started = time.perf_counter()
@@ -278,13 +355,13 @@ def _serve(
                     raise RuntimeError(f"injected failure at host update {seq} (test hook fail_at_update)")
                 for group_index, job in enumerate(jobs):
                     host_adam_update(
-                        spec.blocks[group_index],
-                        spec.steps[group_index],
+                        groups[group_index],
                         spec.extents[group_index],
                         slot,
                         job,
                         spec.unselected[group_index] if spec.unselected else None,
                         scratch,
+                        kernels,
                     )
                 conn.send(("done", seq, time.perf_counter() - started))
             except Exception:
@@ -420,6 +497,19 @@ class HostWorker:
     @property
     def process(self) -> torch.multiprocessing.Process:
         return self._process
+
+    def attach(self, windows: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Hand the worker new window rows (per group), with nothing in flight; waits for its answer."""
+        if self._in_flight is not None:
+            raise HostWorkerError("internal error: window rows attached while a host update is in flight.")
+        self._check_alive()
+        try:
+            self._conn.send(("attach", [list(rows) for rows in windows]))
+        except OSError as error:
+            self._raise_dead(error)
+        message = self._receive(None)
+        if message != ("attached",):
+            raise HostWorkerError(f"host worker protocol error: expected ('attached',), got {message[:2]!r}.")
 
     def submit(self, slot: int, jobs: Sequence[GroupJob]) -> None:
         if self._in_flight is not None:

@@ -29,6 +29,8 @@ from typing import Literal
 
 import torch
 
+from lightning_zenflow.engine.rounding import lattice, round_bf16
+
 KERNELS_ENV = "LIGHTNING_ZENFLOW_KERNELS"
 """Overrides ``interim_kernel="auto"``: ``eager`` or ``compiled`` (the test suite runs eager by default)."""
 KERNEL_MODES = ("auto", "compiled", "eager")
@@ -133,6 +135,21 @@ def landing_add_(
         weight2d.copy_(landed)
 
 
+def accumulate_bf16_(
+    acc2d: torch.Tensor,
+    grad2d: torch.Tensor,
+    row_u: torch.Tensor,
+    col_u: torch.Tensor,
+    offset: torch.Tensor,
+    first: bool,
+) -> None:
+    """The compact state's window sum on the device: ``acc <- round(acc + g)`` (``first``: ``round(g)``), bf16 with
+    stochastic rounding (``engine/rounding.py``; the numbers of ``row_u`` and ``col_u`` and the step's ``offset``).
+    Reads the gradient and the bf16 sum and writes the sum: 4 + b B per element (b: the gradient's bytes)."""
+    total = grad2d.float() if first else acc2d.float() + grad2d.float()
+    acc2d.copy_(round_bf16(total, lattice(row_u, col_u, offset)))
+
+
 # --------------------------------------------------------------------------------------------- compilation
 def compiler_missing(device: torch.device) -> str | None:
     """Why ``torch.compile`` cannot build kernels for ``device`` here, or None when it can."""
@@ -200,12 +217,14 @@ class Kernels:
                 stacklevel=3,
             )
         self._eager_now: set[str] = set()
-        self.row_col_sums = self._wrap(row_col_sums)
-        self.moves_fp32_ = self._wrap(moves_fp32_)
-        self.moves_bf16_ = self._wrap(moves_bf16_)
-        self.landing_add_ = self._wrap(landing_add_)
+        self.row_col_sums = self.wrap(row_col_sums)
+        self.moves_fp32_ = self.wrap(moves_fp32_)
+        self.moves_bf16_ = self.wrap(moves_bf16_)
+        self.landing_add_ = self.wrap(landing_add_)
+        self.accumulate_bf16_ = self.wrap(accumulate_bf16_)
 
-    def _wrap(self, fn: Callable) -> Callable:
+    def wrap(self, fn: Callable) -> Callable:
+        """``fn`` as this engine runs it: compiled (one wrapper per function and process) or eager."""
         if self.mode == "eager":
             return fn
         name = fn.__name__

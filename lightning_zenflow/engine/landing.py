@@ -1,9 +1,12 @@
-"""Landing a host update: the new weights up to the device, and the host update in flight until it lands.
+"""Landing a host update: the worker's result up to the device, and the host update in flight until it lands.
 
-``Uploads``: after the worker's update, the new weights (the fp32 master, or the model-dtype copy the worker
-staged in the consumed accumulator) go up. With a device buffer (device mode) they are copied up on the h2d
-stream as soon as the worker is done and swapped in at the landing step by a device copy; without one (host
-mode) they are copied straight into the parameters at the landing step.
+``Uploads``: at the landing step, on the side lane, each active matrix's result goes up from the host's window row
+(pinned on CUDA) straight into the parameters, in row blocks: nothing model-sized on the device. Where the weights are
+the masters (the default) the result is a step, added as ``w <- w * (1 - lr * wd) + step`` (bf16 weights rounded
+stochastically, ``engine/kernels.py``'s ``landing_add_``) through one reused device buffer of at most
+:data:`LANDING_CHUNK_BYTES`; where the host keeps masters it is the new weights, copied into the parameters. The next
+forward waits for the landing (docs/performance.md: b B per matrix element over the link, once per window, on the
+critical path).
 
 ``Landing``: the host update in flight (the schedule's ``pending``), from its launch on the helper thread to its
 landing: polled without blocking at every step, awaited at a checkpoint, landed at the step the rule says.
@@ -12,8 +15,7 @@ landing: polled without blocking at every step, awaited at a checkpoint, landed 
 from __future__ import annotations
 
 import concurrent.futures
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -22,8 +24,19 @@ from lightning_zenflow.engine.host import HostWorker
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers, MatrixSlot, staging_view
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.engine.rounding import salt_of
 from lightning_zenflow.engine.schedule import PendingUpdate
-from lightning_zenflow.engine.transfer import Helper, add_all, copy_all
+from lightning_zenflow.engine.transfer import Helper, copy_all
+
+LANDING_CHUNK_BYTES = 64 * 1024 * 1024
+"""The device buffer that steps go up through (rows of one matrix at a time, never more than this)."""
+
+
+def landing_ring_bytes(slots: Sequence[MatrixSlot]) -> int:
+    """Device bytes of the landing's buffer for these matrices: at most :data:`LANDING_CHUNK_BYTES`, and never more
+    than the largest matrix's fp32 rows need."""
+    largest = max((4 * slot.host_numel for slot in slots), default=0)
+    return min(LANDING_CHUNK_BYTES, largest)
 
 
 def _write_selected_all(states: Sequence[SelectedState]) -> None:
@@ -32,69 +45,64 @@ def _write_selected_all(states: Sequence[SelectedState]) -> None:
         DeviceUpdater.write_selected(state)
 
 
-class Uploads:
-    """The new weights of a host update, up to the device. ``prefetch``: through a device buffer of the model's
-    size (device mode), copied as soon as the worker is done, landed by a device copy.
+def _land_steps(
+    additions: Sequence[tuple[torch.Tensor, torch.Tensor, float, int, torch.Tensor]],
+    ring: torch.Tensor | None,
+    non_blocking: bool,
+    landing_add: Callable[..., None],
+) -> None:
+    """Lane work: ``dst <- dst * scale + src`` for each ``(dst, src, scale, row_offset, seed)``, a host ``src`` copied
+    up through ``ring`` first (in this lane's order, so the next block's copy waits for this block's add)."""
+    for dst, src, scale, row_offset, seed in additions:
+        if src.device != dst.device:
+            staged = ring.view(torch.uint8)[: src.nbytes].view(src.dtype).view(src.shape)
+            staged.copy_(src, non_blocking=non_blocking)
+            src = staged
+        landing_add(dst, src, scale, row_offset, seed.to(dst.device, non_blocking=non_blocking))
 
-    Under data parallel each rank uploads its own rows; at the landing step the ranks share them
-    (:meth:`Ranks.share_rows`, in place in the parameters) before the selected columns are restored."""
+
+class Uploads:
+    """The results of host updates, up to the device at their landing.
+
+    Under data parallel each rank lands its own rows; then the ranks share them (:meth:`Ranks.share_rows`, in place in
+    the parameters) before the selected columns are restored."""
 
     def __init__(
         self,
         lanes: Lanes,
         device_updater: DeviceUpdater,
         host_buffers: Sequence[GroupHostBuffers],
-        prefetch_slots: Sequence[MatrixSlot] | None,
         ranks: Ranks | None = None,
+        row_offsets: Mapping[str, int] | None = None,
     ) -> None:
         self.lanes = lanes
         self.device_updater = device_updater
         self.host_buffers = host_buffers
         self.ranks = ranks or Ranks()
-        self.buffers_device = (
-            {
-                (s.group_index, s.index_in_group): torch.empty(
-                    s.host_rows, s.cols, dtype=s.param.dtype, device=lanes.device
-                )
-                for s in prefetch_slots
-            }
-            if prefetch_slots is not None
-            else None
-        )
+        self.row_offsets = dict(row_offsets or {})
         self.source_read = lanes.event()
-        """Recorded after the last upload's copy up: its host source (master, staged slot) may be rewritten."""
-        self._prefetched: tuple[int, tuple] | None = None
+        """Recorded after the last landing's reads of the host: its window rows (or masters) may be rewritten."""
+        self.ring_device: torch.Tensor | None = None
+        """The device buffer steps go up through (allocated at the first landing that needs it)."""
         self.h2d_bytes = 0
         self.landing_add: Callable[..., None] | None = None
-        """``interim_step``: the kernel that lands a step on bf16 weights (``engine/kernels.py``), set by the engine."""
+        """The kernel that lands a step (``engine/kernels.py``'s ``landing_add_``), set by the engine."""
 
     def _source(self, group_index: int, state: SelectedState, slot: int) -> torch.Tensor:
         host = self.host_buffers[group_index]
+        if host.master is None:
+            # the worker wrote the step over the window's sum it read
+            return state.slot.view2d(host.grad_acc(slot))
         dtype = state.slot.param.dtype
         if dtype == torch.float32:
             return state.slot.view2d(host.master)  # fp32 weights go up from the master itself
         return staging_view(host.grad_acc(slot), state.slot, dtype)
 
-    def prefetch(self, slot: int, active: Sequence[Sequence[int]]) -> None:
-        """Device mode: start copying the finished update up into the device buffers (h2d lane). No-op
-        without buffers or when already started.
-
-        Issued by the training thread once the worker is done, which is after the previous landing's side-lane
-        reads of these buffers: the worker started only when the window's copy down had landed, and that copy
-        waited for the side lane's work up to this window's end, the previous landing included."""
-        if self.buffers_device is None or self._prefetched is not None:
-            return
-        lanes = self.lanes
-        copies = []
-        for group_index, indices in enumerate(active):
-            states = self.device_updater.selected[group_index]
-            for index in indices:
-                source = self._source(group_index, states[index], slot)
-                copies.append((self.buffers_device[(group_index, index)], source))
-                self.h2d_bytes += source.nbytes
-        lanes.h2d.run(copy_all, copies, lanes.is_cuda)
-        lanes.h2d.record(self.source_read)
-        self._prefetched = (slot, tuple(tuple(a) for a in active))
+    def _ring(self, nbytes: int) -> torch.Tensor:
+        if self.ring_device is None or self.ring_device.numel() < nbytes:
+            with self.lanes.allocating_on(self.lanes.side):
+                self.ring_device = torch.empty(nbytes, dtype=torch.uint8, device=self.lanes.device)
+        return self.ring_device
 
     def land(
         self,
@@ -104,54 +112,59 @@ class Uploads:
         seed: int = 0,
     ) -> None:
         """Write the update into the parameters, then restore the selected columns from the device masters.
-        Issued on the side lane; the compute lane waits for it before the next forward. ``scales``
-        (``interim_step``): per group and active matrix, the weights are scaled by it and the uploaded step is added
-        (bf16 weights with stochastic rounding, seeded by ``seed``, the landing's step)."""
+        Issued on the side lane; the compute lane waits for it before the next forward. ``scales`` (the weights are
+        the masters): per group and active matrix, the weights are scaled by it and the uploaded step is added (bf16
+        weights with stochastic rounding, seeded by ``seed``, the landing's step); None: the new weights are copied."""
         lanes = self.lanes
-        self.prefetch(slot, active)
         # side waits (GPU-side) for the compute lane: callbacks may have read the weights
         lanes.side.wait_lane(lanes.compute, "side after compute")
-        if self.buffers_device is not None:
-            # side waits (GPU-side) for the copy up into the device buffers
-            lanes.side.wait(self.source_read, "upload arrived")
-        copies, shared, states = [], [], []
+        copies, additions, shared, states = [], [], [], []
+        chunk_rows_bytes = 0
+        seeds = []
         for group_index, indices in enumerate(active):
             group_states = self.device_updater.selected[group_index]
-            copies_in_group: list[int] = []
-            for index in indices:
+            for position, index in enumerate(indices):
                 state = group_states[index]
-                param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
-                own_rows = param2d[state.slot.row_start : state.slot.row_stop]
-                if self.buffers_device is not None:
-                    source = self.buffers_device[(group_index, index)]
-                else:
-                    source = self._source(group_index, state, slot)
-                    self.h2d_bytes += source.nbytes
+                slot2d = state.slot
+                param2d = slot2d.param.data.view(slot2d.rows, slot2d.cols)
+                own_rows = param2d[slot2d.row_start : slot2d.row_stop]
+                source = self._source(group_index, state, slot)
+                self.h2d_bytes += source.nbytes
                 if scales is None:
                     copies.append((own_rows, source))
                 else:
-                    scale = scales[group_index][len(copies_in_group)]
-                    salt = zlib.crc32(state.slot.name.encode()) & 0xFFFF
-                    copies.append((own_rows, source, scale, state.slot.row_start, salt))
-                copies_in_group.append(index)
+                    scale = scales[group_index][position]
+                    salt = salt_of(slot2d.name) & 0xFFFF
+                    row_offset = self.row_offsets.get(slot2d.name, 0) + slot2d.row_start
+                    seeds.append((seed * 40503 + salt + 1) & 0x7FFFFFFF)
+                    row_bytes = source.nbytes // max(1, source.shape[0])
+                    block = max(1, LANDING_CHUNK_BYTES // max(1, row_bytes))
+                    for start in range(0, source.shape[0], block):
+                        stop = min(source.shape[0], start + block)
+                        additions.append(
+                            (own_rows[start:stop], source[start:stop], scale, row_offset + start, len(seeds) - 1)
+                        )
+                        chunk_rows_bytes = max(chunk_rows_bytes, (stop - start) * row_bytes)
                 shared.append(param2d)
                 states.append(state)
-        if scales is None:
+        if copies:
             lanes.side.run(copy_all, copies, lanes.is_cuda)
-        else:
-            # host mode: each step goes up through a temporary (allocated in the side lane's order)
-            lanes.side.run(add_all, copies, lanes.is_cuda, self.landing_add, seed)
-        if self.buffers_device is None:
-            # host mode: the side lane's copies read the host source (the master, or the staged weights)
-            lanes.side.record(self.source_read)
+        if additions:
+            # the seeds of the landing's stochastic rounding: one copy up from pinned memory, no host sync
+            seeds_host = lanes.empty_host(len(seeds), torch.int64)
+            seeds_host.copy_(torch.tensor(seeds, dtype=torch.int64))
+            ring = self._ring(chunk_rows_bytes) if lanes.is_cuda else None
+            additions = [(dst, src, scale, offset, seeds_host[i]) for dst, src, scale, offset, i in additions]
+            lanes.side.run(_land_steps, additions, ring, lanes.is_cuda, self.landing_add)
+        # the side lane's copies read the host source (the window rows, or the masters)
+        lanes.side.record(self.source_read)
         if self.ranks.sharded:
             # data parallel: every rank's rows, on every rank, in the side lane's order
             lanes.collective(lanes.side, self.ranks.share_rows_many, shared)
         lanes.side.run(_write_selected_all, states)
-        self._prefetched = None
 
     def bytes_held(self) -> int:
-        return sum(t.nbytes for t in self.buffers_device.values()) if self.buffers_device is not None else 0
+        return self.ring_device.nbytes if self.ring_device is not None else 0
 
 
 class Landing:
@@ -166,7 +179,7 @@ class Landing:
         self.landings = 0
 
     def poll(self, pending: PendingUpdate | None, worker: HostWorker | None, uploads: Uploads) -> None:
-        """Without blocking: if the host update in flight has finished, start its copy up (device mode)."""
+        """Without blocking: note whether the host update in flight has finished (its time, for the telemetry)."""
         if pending is None or pending.computed or worker is None:
             return
         if self.launch_future is not None and not self.launch_future.done():
@@ -178,7 +191,6 @@ class Landing:
             return
         self.last_host_s = host_s
         pending.computed = True
-        uploads.prefetch(pending.slot, pending.active)
 
     def await_computed(self, pending: PendingUpdate | None, worker: HostWorker | None) -> None:
         """Wait (without applying) until the host update in flight has finished computing."""

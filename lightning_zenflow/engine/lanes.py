@@ -68,7 +68,6 @@ WAIT_LABELS = (
     "ring gathered",
     "ring copied",
     "upload read",
-    "upload arrived",
     "launch: window copied",
 )
 """The engine's waits, by what each one waits for (see where each is issued)."""

@@ -1,23 +1,30 @@
-"""Which parameters and columns go where, and the flat shared host buffers that hold the host side.
+"""Which parameters and columns go where, and the shared host buffers that hold the host side.
 
 A trainable parameter with ``ndim >= 2`` is a *matrix*: it is viewed as ``[shape[0], numel // shape[0]]``
 and split by column between the device (the selected columns) and the host (the rest). Parameters with
 ``ndim <= 1`` are *device-only*. Frozen parameters are ignored.
 
-Per optimizer param group, the host holds one shared-memory block ``[5, n]`` of fp32, where ``n`` is the
-number of matrix elements in the group that this rank owns: all of them on one rank; under data parallel, the row
-block of every matrix that ``Ranks.own_rows`` gives it (``engine/ranks.py``). Its rows are the master weights,
-``exp_avg``, ``exp_avg_sq`` and two gradient accumulators (double-buffered: the device fills one window while the
-host updates with the other). That is 20 bytes per matrix element, all the host memory the engine needs per
-parameter (divided by the number of ranks under data parallel).
+Per optimizer param group, the host holds flat shared-memory rows of ``n`` elements, where ``n`` is the number of
+matrix elements in the group that this rank owns: all of them on one rank; under data parallel, the row block of
+every matrix that ``Ranks.own_rows`` gives it (``engine/ranks.py``). Which rows, in which dtype, is the
+:class:`HostFormat` (``host_state``, docs/performance.md):
 
-A consumed accumulator doubles as the staging area for the upload: after its AdamW step the host worker
-writes the new weights, already cast to the model dtype, into the bytes of the accumulator it just read;
-the device copies them from there (one model-dtype copy per window instead of an fp32 one).
+- ``exp_avg`` and ``exp_avg_sq``: fp32, or bf16 (``host_state="bf16"``: the first moment rounded to nearest, the
+  second stochastically, ``engine/rounding.py``);
+- the window's gradient sum: one row in device mode (the device's accumulator is copied down into it once per
+  window; fp32, or bf16 in the compact state), two fp32 rows in host mode (the helper thread fills one window while
+  the worker reads the other);
+- an fp32 ``master`` only where the weights cannot be the masters of the host columns (``HostFormat.master``).
+
+Everywhere else the model's weights *are* the masters: the worker computes the AdamW step of the host columns from
+their moments alone and writes it into the window row it just read; the device adds it to the weights when it lands
+(``w <- w * (1 - lr * wd) + step``). With a master, the worker updates the master and writes the new weights, cast
+to the model dtype, into the bytes of the window row (the staging area of the upload).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,10 +34,75 @@ from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.shm import shared_memory_error, shared_zeros
 
-HOST_ROWS = 5
-"""Rows of a group's host block: master, exp_avg, exp_avg_sq, grad_acc[0], grad_acc[1]."""
-ROW_MASTER, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_GRAD_ACC = 0, 1, 2, 3
-HOST_BYTES_PER_ELEMENT = HOST_ROWS * 4
+HOST_STATES = ("fp32", "bf16")
+"""The host state's precisions (``ZenFlowConfig.host_state``)."""
+
+
+@dataclass(frozen=True)
+class HostFormat:
+    """What the host holds per matrix element, in which dtype (resolved once per engine at start)."""
+
+    moments: torch.dtype
+    """dtype of ``exp_avg`` and ``exp_avg_sq`` (fp32, or bf16 for ``host_state="bf16"``)."""
+    window: torch.dtype
+    """dtype of the window's gradient sum in device mode, on both sides (fp32, or bf16 for the compact state);
+    host mode sums in fp32."""
+    master: bool
+    """An fp32 master of every host element: where the weights cannot be the masters (``docs/update_rule.md``)."""
+    window_rows: int = 1
+    """1 in device mode (one row, refilled once per window), 2 in host mode (double-buffered)."""
+
+    @classmethod
+    def resolve(cls, host_state: str, master: bool, accumulate_on: str) -> HostFormat:
+        compact = host_state != "fp32"
+        host_mode = accumulate_on == "host"
+        return cls(
+            moments=torch.bfloat16 if compact else torch.float32,
+            window=torch.float32 if host_mode or not compact else torch.bfloat16,
+            master=master,
+            window_rows=2 if host_mode else 1,
+        )
+
+    def for_mode(self, accumulate_on: str) -> HostFormat:
+        """This format with the window rows of an accumulation mode (``"device"`` or ``"host"``)."""
+        compact = self.moments != torch.float32
+        if accumulate_on == "host":
+            return dataclasses.replace(self, window=torch.float32, window_rows=2)
+        return dataclasses.replace(self, window=torch.bfloat16 if compact else torch.float32, window_rows=1)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per element of the state that persists: the moments and the master."""
+        return 2 * _itemsize(self.moments) + (4 if self.master else 0)
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes per element of the window rows."""
+        return self.window_rows * _itemsize(self.window)
+
+    @property
+    def bytes_per_element(self) -> int:
+        return self.state_bytes + self.window_bytes
+
+
+def resolve_host_format(
+    config: object, layout: Sequence[GroupLayout], hparams: Sequence[object], interim: bool
+) -> HostFormat:
+    """The host format of an engine: ``config.host_state``'s precision, and a master only where the weights cannot be
+    the masters of the host columns: without interim moves, for Adam's L2 decay (it needs the master in the
+    gradient) and, with ``host_state="fp32"``, for weights that are not fp32 (the exact setting keeps what they
+    round)."""
+    host_state = getattr(config, "host_state", "bf16")
+    accumulate_on = getattr(config, "accumulate_on", "auto")
+    groups_with_matrices = [hp for hp, group in zip(hparams, layout) if group.matrices]
+    l2 = any(not getattr(hp, "decoupled", True) and getattr(hp, "weight_decay", 0.0) for hp in groups_with_matrices)
+    narrow = any(slot.param.dtype != torch.float32 for group in layout for slot in group.matrices)
+    master = not interim and (l2 or (host_state == "fp32" and narrow))
+    return HostFormat.resolve(host_state, master, accumulate_on)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -170,31 +242,31 @@ def build_layout(
 
 @dataclass
 class GroupHostBuffers:
-    """The shared host block of one group and the named rows of it."""
+    """The shared host rows of one group (each ``[n]``, in shared memory; the window rows pinned in place on CUDA)."""
 
-    block_shared: torch.Tensor
-    """``[5, n]`` fp32 in shared memory (pinned in place when a CUDA device is used)."""
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
     step_shared: torch.Tensor
     """``[n_matrices]`` fp32: how many host updates each matrix has had (its host-side bias-correction count)."""
-
-    @property
-    def master(self) -> torch.Tensor:
-        return self.block_shared[ROW_MASTER]
-
-    @property
-    def exp_avg(self) -> torch.Tensor:
-        return self.block_shared[ROW_EXP_AVG]
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        return self.block_shared[ROW_EXP_AVG_SQ]
+    master: torch.Tensor | None = None
+    """fp32 masters of every host element, where the format has them (else the weights are the masters)."""
+    windows: list[torch.Tensor] = field(default_factory=list)
+    """The window rows: one (device mode) or two (host mode); empty until the accumulation mode is known."""
 
     def grad_acc(self, slot: int) -> torch.Tensor:
-        return self.block_shared[ROW_GRAD_ACC + slot]
+        """The window row that window ``slot`` (0 or 1, alternating) is summed into; one row serves both slots in
+        device mode (the landing of the update read from it comes before the next window's copy down)."""
+        return self.windows[slot % len(self.windows)]
+
+    @property
+    def nbytes(self) -> int:
+        rows = [self.exp_avg, self.exp_avg_sq, self.step_shared, *self.windows]
+        return sum(row.nbytes for row in rows) + (self.master.nbytes if self.master is not None else 0)
 
 
-def allocate_host_buffers(layout: Sequence[GroupLayout]) -> list[GroupHostBuffers]:
-    """Allocate every group's host block in shared memory and fill the master with the current weights.
+def allocate_host_buffers(layout: Sequence[GroupLayout], host_format: HostFormat) -> list[GroupHostBuffers]:
+    """Allocate every group's moments (and masters, filled with the current weights) in shared memory; the window
+    rows come with the accumulation mode (:func:`allocate_window_rows`).
 
     Shared memory first, then (on CUDA) pinned in place by the caller: ``pin_memory()`` would copy, and
     ``pin_memory().share_memory_()`` silently loses the pinning. The engine checks beforehand that the machine
@@ -202,25 +274,43 @@ def allocate_host_buffers(layout: Sequence[GroupLayout]) -> list[GroupHostBuffer
     """
     buffers = []
     for group in layout:
+        n = group.host_numel
         try:
-            block_shared = shared_zeros((HOST_ROWS, group.host_numel))
-            step_shared = shared_zeros((len(group.matrices),))
+            host = GroupHostBuffers(
+                exp_avg=shared_zeros((n,), host_format.moments),
+                exp_avg_sq=shared_zeros((n,), host_format.moments),
+                step_shared=shared_zeros((len(group.matrices),)),
+                master=shared_zeros((n,)) if host_format.master else None,
+            )
         except RuntimeError as error:
-            needed = sum(HOST_BYTES_PER_ELEMENT * g.host_numel for g in layout)
+            needed = sum(host_format.state_bytes * g.host_numel for g in layout)
             raise shared_memory_error(needed, error) from error
-        host = GroupHostBuffers(block_shared=block_shared, step_shared=step_shared)
-        for slot in group.matrices:
-            # a blocking device -> host copy, once at start-up; the only pages of the block written now
-            slot.view2d(host.master).copy_(slot.own(slot.param.detach()))
+        if host.master is not None:
+            for slot in group.matrices:
+                # a blocking device -> host copy, once at start-up; the only pages of the block written now
+                slot.view2d(host.master).copy_(slot.own(slot.param.detach()))
         buffers.append(host)
     return buffers
 
 
-def staging_view(grad_acc_row: torch.Tensor, slot: MatrixSlot, dtype: torch.dtype) -> torch.Tensor:
-    """The model-dtype weights of ``slot`` written into the bytes of a consumed accumulator, as ``[host_rows, cols]``.
+def allocate_window_rows(
+    layout: Sequence[GroupLayout], host_buffers: Sequence[GroupHostBuffers], host_format: HostFormat
+) -> None:
+    """Give every group the window rows of ``host_format`` (replacing any it had)."""
+    for group, host in zip(layout, host_buffers):
+        try:
+            rows = [shared_zeros((group.host_numel,), host_format.window) for _ in range(host_format.window_rows)]
+        except RuntimeError as error:
+            needed = sum(host_format.window_bytes * g.host_numel for g in layout)
+            raise shared_memory_error(needed, error) from error
+        host.windows = rows
 
-    The slot's fp32 accumulator region has 4 bytes per element, enough for any model dtype.
-    """
+
+def staging_view(grad_acc_row: torch.Tensor, slot: MatrixSlot, dtype: torch.dtype) -> torch.Tensor:
+    """The model-dtype weights of ``slot`` written into the bytes of a consumed window row, as ``[host_rows, cols]``.
+
+    The row's region has at least as many bytes per element as any model dtype it stages (a master exists only for
+    weights that are not fp32, and the window row of a bf16 model is at least bf16)."""
     region = grad_acc_row[slot.offset : slot.offset + slot.host_numel]
     itemsize = torch.empty((), dtype=dtype).element_size()
     return region.view(torch.uint8)[: slot.host_numel * itemsize].view(dtype).view(slot.host_rows, slot.cols)

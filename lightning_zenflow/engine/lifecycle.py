@@ -22,12 +22,18 @@ from lightning_zenflow.engine.interim import InterimMoves, resolve_interim_scale
 from lightning_zenflow.engine.kernels import Kernels
 from lightning_zenflow.engine.landing import Landing, Uploads
 from lightning_zenflow.engine.lanes import Lanes
-from lightning_zenflow.engine.layout import GroupHostBuffers, allocate_host_buffers, build_layout
+from lightning_zenflow.engine.layout import (
+    GroupHostBuffers,
+    allocate_host_buffers,
+    allocate_window_rows,
+    build_layout,
+    resolve_host_format,
+)
 from lightning_zenflow.engine.optimizers import ZeroGradGuard, check_optimizer
 from lightning_zenflow.engine.preflight import check_host_resources
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.refresh import refresh_period
-from lightning_zenflow.engine.resources import CoreBinding, pin_host_buffers, start_worker, unpin
+from lightning_zenflow.engine.resources import CoreBinding, pin_host_buffers, pin_rows, start_worker, unpin
 from lightning_zenflow.engine.schedule import Schedule
 from lightning_zenflow.engine.selection import SelectionDiagnostics
 from lightning_zenflow.engine.stats import StepClock, StepStats
@@ -51,6 +57,7 @@ class EngineLifecycle:
         ranks: Ranks | None = None,
         guard_zero_grad: bool = True,
         maximize_by_caller: bool = False,
+        row_offsets: Mapping[str, int] | None = None,
     ) -> None:
         check_optimizer(optimizer, allow_maximize=maximize_by_caller)
         self.optimizer = optimizer
@@ -60,6 +67,8 @@ class EngineLifecycle:
         self.ranks = ranks or Ranks()
         self._decoupled_default = isinstance(optimizer, torch.optim.AdamW)
         self._names = {id(p): n for p, n in (param_names or {}).items()}
+        self.row_offsets = dict(row_offsets or {})
+        """FSDP2: where each matrix's local rows start in the whole matrix (rounding draws by global row)."""
         self._steps_per_epoch = steps_per_epoch
         self._build_layout()
         self._stage_delays = dict(stage_delays or {})
@@ -125,21 +134,25 @@ class EngineLifecycle:
             raise RuntimeError("this ZenFlowEngine was closed; build a new one.")
         if self._started:
             return self
-        self.interim_scale = resolve_interim_scale(self.config, self.layout, self.read_hparams())
+        hparams = self.read_hparams()
+        self.interim_scale = resolve_interim_scale(self.config, self.layout, hparams)
+        self.host_format = resolve_host_format(self.config, self.layout, hparams, self.interim_scale > 0)
         self.lanes = Lanes(self.device, self._stage_delays)
         # shared memory and RAM first: one clear error if short (for every rank on this machine)
-        check_host_resources(self.layout, self.device, ranks_per_host=self.ranks.local_world)
-        self.host_buffers: list[GroupHostBuffers] = allocate_host_buffers(self.layout)
+        check_host_resources(
+            self.layout, self.device, ranks_per_host=self.ranks.local_world, host_format=self.host_format
+        )
+        self.host_buffers: list[GroupHostBuffers] = allocate_host_buffers(self.layout, self.host_format)
+        allocate_window_rows(self.layout, self.host_buffers, self.host_format)
         # per group: each matrix's host-bound column indices, for the worker to unpack host-mode accumulators
         self.unselected_shared = [
             torch.zeros(sum(s.cols for s in g.matrices), dtype=torch.long).share_memory_() for g in self.layout
         ]
         self._pinned: list[tuple[torch.Tensor, int]] = []
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
+        self.kernels = Kernels(self.config.interim_kernel, self.device)
         self.interim = (
-            InterimMoves(self.lanes, self.interim_scale, Kernels(self.config.interim_kernel, self.device), self.ranks)
-            if self.interim_scale > 0
-            else None
+            InterimMoves(self.lanes, self.interim_scale, self.kernels, self.ranks) if self.interim_scale > 0 else None
         )
         self.helper = Helper(self.lanes)
         self.window = WindowEnd(self.lanes, self.layout)
@@ -162,11 +175,32 @@ class EngineLifecycle:
                     self._binding,
                     self._stage_delays,
                     self._host_fail_at,
+                    self.row_offsets,
                 )
         except BaseException:
             self.close(quiet=True)
             raise
         return self
+
+    def use_window_rows(self, accumulate_on: str) -> None:
+        """Give the host the window rows of an accumulation mode (``"device"``: one row, ``"host"``: two fp32
+        rows), if it does not hold them yet: at the first step, when the mode is chosen, with nothing in flight."""
+        wanted = self.host_format.for_mode(accumulate_on)
+        if wanted == self.host_format:
+            return
+        # host wait for every lane: the old rows may still be read by a copy
+        self.lanes.synchronize()
+        windows = [row for host in self.host_buffers for row in host.windows]
+        still_pinned = [(t, p) for t, p in self._pinned if not any(t is w for w in windows)]
+        unpin([(t, p) for t, p in self._pinned if any(t is w for w in windows)])
+        self._pinned = still_pinned
+        check_host_resources(self.layout, self.device, ranks_per_host=self.ranks.local_world, host_format=wanted)
+        allocate_window_rows(self.layout, self.host_buffers, wanted)
+        self.host_format = wanted
+        if self.device.type == "cuda":
+            self._pinned += pin_rows([row for host in self.host_buffers for row in host.windows])
+        if self._worker is not None:
+            self._worker.attach([host.windows for host in self.host_buffers])
 
     def needs_host(self) -> bool:
         """False when no step can ever put work on the host: no matrix at all (only 1-D parameters), or every column on
@@ -272,10 +306,10 @@ class EngineLifecycle:
         return total
 
     def host_bytes(self) -> int:
-        """Host bytes the engine holds in the training process: the shared blocks and the pinned staging."""
+        """Host bytes the engine holds in the training process: the shared rows and the pinned staging."""
         if not self._started or self._closed:
             return 0
-        own = sum(h.block_shared.nbytes + h.step_shared.nbytes for h in self.host_buffers)
+        own = sum(h.nbytes for h in self.host_buffers)
         own += sum(t.nbytes for t in self.unselected_shared)
         if isinstance(self.accumulation, HostAccumulation):
             own += self.accumulation.host_staging_bytes()

@@ -3,14 +3,17 @@
 For each matrix, with the old and the new selected columns (both ascending):
 
 - *staying* columns keep their device master and moments (a device-side gather into the new state);
-- *leaving* columns go down: their device master and moments overwrite the parked host values;
-- *entering* columns come up: their host master and moments (current: they were host-bound) go to the device.
+- *leaving* columns go down: their device moments overwrite the parked host values (rounded to nearest when the host
+  keeps them in bf16), and so does their device master where the host keeps masters; elsewhere the weights are the
+  masters of host columns, and the device update has written the master into them at every step;
+- *entering* columns come up: their host moments (current: they were host-bound) go to the device, widened to fp32;
+  their master comes from the host's master where there is one, else from the weights (on the device).
 
 Per param group, all matrices' leaving columns are gathered on the device into one buffer and copied down with one
 copy, all entering columns are gathered on the host and copied up with one copy, and every index the device needs
 goes up in one copy; one synchronisation waits for all of them before the host scatters the leaving values (no
-per-matrix syncs). The host side stages through the group's two accumulator rows, idle at a selection (shared,
-and pinned on CUDA), so a selection allocates no new pinned memory (:func:`staging_buffers`). Entering and leaving
+per-matrix syncs). The host side stages through the group's window rows, idle at a selection (shared, and pinned on
+CUDA), so a selection usually allocates no new pinned memory (:func:`staging_buffers`). Entering and leaving
 columns are disjoint, so the host gather and the host scatter never touch the same values.
 
 Under data parallel a rank holds the host state of its own rows only: it copies down its rows of the leaving
@@ -28,10 +31,16 @@ import torch
 
 from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
 from lightning_zenflow.engine.lanes import Lanes
-from lightning_zenflow.engine.layout import ROW_GRAD_ACC, GroupHostBuffers
+from lightning_zenflow.engine.layout import GroupHostBuffers
 from lightning_zenflow.engine.ranks import Ranks
 
-_ROWS = ("master", "exp_avg", "exp_avg_sq")
+MOMENT_ROWS = ("exp_avg", "exp_avg_sq")
+
+
+def _rows(host: GroupHostBuffers) -> list[tuple[str, torch.dtype]]:
+    """The host rows a migration moves, with their dtypes: the moments, and the master where there is one."""
+    rows = [(name, getattr(host, name).dtype) for name in MOMENT_ROWS]
+    return rows + ([("master", torch.float32)] if host.master is not None else [])
 
 
 @dataclass
@@ -99,17 +108,27 @@ def migrate(
 
 def staging_buffers(
     lanes: Lanes, host: GroupHostBuffers, leave_total: int, enter_total: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host staging ``[3, leave_total]`` and ``[3, enter_total]`` for one group's migration.
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Host staging for one group's migration: per moved row, a ``[leave_total]`` and an ``[enter_total]`` view in its
+    dtype.
 
-    At a selection nothing is in flight, so the group's two accumulator rows are idle (the open window's first step
-    overwrites its own, and the other one's update has landed): they are the staging area, already shared and, on
-    CUDA, pinned. 8 B per element hold 12 B per moved element each way for ``topk_ratio`` up to about 1/3; larger
-    moves take a new pinned buffer (torch caches those for the rest of the run)."""
-    need = 3 * (leave_total + enter_total)
-    accumulators = host.block_shared[ROW_GRAD_ACC : ROW_GRAD_ACC + 2].reshape(-1)
-    flat = accumulators[:need] if need <= accumulators.numel() else lanes.empty_host(need, torch.float32)
-    return flat[: 3 * leave_total].view(3, leave_total), flat[3 * leave_total :].view(3, enter_total)
+    At a selection nothing is in flight, so the group's window rows are idle (the open window's sum is on the device,
+    or, in host mode, its first step overwrites its own row; the other row's update has landed): they are the staging
+    area, already shared and, on CUDA, pinned. Larger moves take a new pinned buffer (torch caches those for the rest
+    of the run)."""
+    rows = _rows(host)
+    sizes = [torch.empty((), dtype=dtype).element_size() for _, dtype in rows]
+    need = sum(size * (leave_total + enter_total) for size in sizes)
+    idle = max((window.view(torch.uint8) for window in host.windows), key=torch.numel, default=None)
+    flat = idle if idle is not None and need <= idle.numel() else lanes.empty_host(max(1, need), torch.uint8)
+    leaving, entering, position = {}, {}, 0
+    for (name, dtype), size in zip(rows, sizes):
+        # every view starts at a multiple of its item size (the sizes come largest first: masters are last)
+        leaving[name] = flat[position : position + size * leave_total].view(dtype)
+        position += size * leave_total
+        entering[name] = flat[position : position + size * enter_total].view(dtype)
+        position += size * enter_total
+    return leaving, entering
 
 
 def _migrate_group(
@@ -121,6 +140,7 @@ def _migrate_group(
     moved: Moved,
 ) -> None:
     device = lanes.device
+    rows = _rows(host)
     leave_total = sum(p.state.slot.host_rows * p.leaving.numel() for p in plans)
     enter_total = sum(p.state.slot.host_rows * p.entering.numel() for p in plans)
     leaving_host, entering_host = staging_buffers(lanes, host, leave_total, enter_total)
@@ -129,19 +149,20 @@ def _migrate_group(
     for plan in plans:
         numel = plan.state.slot.host_rows * plan.entering.numel()
         if numel:
-            for row_index, name in enumerate(_ROWS):
+            for name, _ in rows:
                 source = plan.state.slot.view2d(getattr(host, name)).index_select(1, plan.entering)
-                entering_host[row_index, position : position + numel].copy_(source.reshape(-1))
+                entering_host[name][position : position + numel].copy_(source.reshape(-1))
         position += numel
     # every index the device needs, in one upload from pinned memory (not six small copies per matrix)
     index_parts = [part for p in plans for part in (p.leave_old, p.stay_old, p.stay_new, p.enter_new, p.new_selected)]
     index_parts += [_complement(p.new_selected, p.state.slot.cols) for p in plans]
+    index_parts += [p.entering for p in plans]
     sizes = [int(part.numel()) for part in index_parts]
     indices_host = lanes.empty_host(max(1, sum(sizes)), torch.long)
     if sizes and sum(sizes):
         torch.cat(index_parts, out=indices_host[: sum(sizes)])
-    moved.d2h_bytes += leaving_host.nbytes
-    moved.h2d_bytes += entering_host.nbytes
+    moved.d2h_bytes += sum(view.nbytes for view in leaving_host.values())
+    moved.h2d_bytes += sum(view.nbytes for view in entering_host.values())
     box: dict[str, object] = {}
     # side waits (GPU-side) for the compute lane's gradients and weights
     lanes.side.wait_lane(lanes.compute, "side after compute")
@@ -155,8 +176,8 @@ def _migrate_group(
     for plan in plans:
         numel = plan.state.slot.host_rows * plan.leaving.numel()
         if numel:
-            for row_index, name in enumerate(_ROWS):
-                values = leaving_host[row_index, position : position + numel].view(plan.state.slot.host_rows, -1)
+            for name, _ in rows:
+                values = leaving_host[name][position : position + numel].view(plan.state.slot.host_rows, -1)
                 plan.state.slot.view2d(getattr(host, name)).index_copy_(1, plan.leaving, values)
         position += numel
 
@@ -166,8 +187,8 @@ def _gather_and_copy(
     plans: Sequence[_Plan],
     indices_host: torch.Tensor,
     sizes: Sequence[int],
-    leaving_host: torch.Tensor,
-    entering_host: torch.Tensor,
+    leaving_host: dict[str, torch.Tensor],
+    entering_host: dict[str, torch.Tensor],
     device: torch.device,
 ) -> None:
     """Side lane: the indices up, the leaving columns gathered and copied down, the entering columns copied up."""
@@ -176,23 +197,29 @@ def _gather_and_copy(
     parts = iter(torch.split(indices[: sum(sizes)], list(sizes)))
     per_plan = [tuple(next(parts) for _ in range(5)) for _ in plans]
     unselected = [next(parts) for _ in plans]
+    entering_columns = [next(parts) for _ in plans]
     box["indices"] = indices  # alive until the copies that read it are done
     box["per_plan"] = per_plan
     box["unselected"] = unselected
-    leave_total = leaving_host.shape[1]
-    leaving_device = torch.empty(3, leave_total, dtype=torch.float32, device=device)
-    position = 0
-    for plan, (leave_old, _, _, _, _) in zip(plans, per_plan):
-        slot = plan.state.slot
-        numel = slot.host_rows * plan.leaving.numel()
-        if numel:
-            for row_index, name in enumerate(_ROWS):
+    box["entering_columns"] = entering_columns
+    leaving_device = {}
+    for name, host_view in leaving_host.items():
+        leaving = torch.empty(host_view.numel(), dtype=host_view.dtype, device=device)
+        position = 0
+        for plan, (leave_old, _, _, _, _) in zip(plans, per_plan):
+            slot = plan.state.slot
+            numel = slot.host_rows * plan.leaving.numel()
+            if numel:
                 columns = getattr(plan.state, name)[slot.row_start : slot.row_stop].index_select(1, leave_old)
-                leaving_device[row_index, position : position + numel].copy_(columns.reshape(-1))
-        position += numel
-    leaving_host.copy_(leaving_device, non_blocking=non_blocking)
+                leaving[position : position + numel].copy_(columns.reshape(-1))  # to the host's dtype: rounded
+            position += numel
+        host_view.copy_(leaving, non_blocking=non_blocking)
+        leaving_device[name] = leaving
     box["leaving_device"] = leaving_device
-    box["entering"] = entering_host.to(device, non_blocking=non_blocking)
+    # the entering values arrive in the host's dtypes and are widened to fp32 here, one row of [kinds, total]
+    arrived = [view.to(device, non_blocking=non_blocking).float() for view in entering_host.values()]
+    box["entering"] = torch.stack(arrived) if arrived else torch.empty(0, 0, device=device)
+    box["entering_names"] = list(entering_host)
 
 
 def _share_entering_into(box: dict, plans: Sequence[_Plan], ranks: Ranks) -> None:
@@ -200,22 +227,29 @@ def _share_entering_into(box: dict, plans: Sequence[_Plan], ranks: Ranks) -> Non
 
 
 def _install(box: dict, plans: Sequence[_Plan], updater: DeviceUpdater, device: torch.device) -> None:
-    """Side lane: each matrix's new state from its staying columns (device) and its entering ones (arrived)."""
+    """Side lane: each matrix's new state from its staying columns (device) and its entering ones (arrived; their
+    master from the weights where the host keeps none)."""
     entering_device = box["entering"]
+    names = box["entering_names"]
     position = 0
-    for plan, (_, stay_old, stay_new, enter_new, selected), unselected in zip(
-        plans, box["per_plan"], box["unselected"]
+    for plan, (_, stay_old, stay_new, enter_new, selected), unselected, entering_columns in zip(
+        plans, box["per_plan"], box["unselected"], box["entering_columns"]
     ):
         state = plan.state
         rows, k = state.slot.rows, plan.new_selected.numel()
         numel = rows * plan.entering.numel()
         new_tensors = {}
-        for row_index, name in enumerate(_ROWS):
+        for name in ("master", *MOMENT_ROWS):
             tensor = torch.empty(rows, k, dtype=torch.float32, device=device)
             if stay_new.numel():
                 tensor.index_copy_(1, stay_new, getattr(state, name).index_select(1, stay_old))
             if numel:
-                arrived = entering_device[row_index, position : position + numel].view(rows, -1)
+                if name in names:
+                    arrived = entering_device[names.index(name), position : position + numel].view(rows, -1)
+                else:
+                    # the weights are the masters of host columns
+                    weights2d = state.slot.param.detach().view(rows, state.slot.cols)
+                    arrived = weights2d.index_select(1, entering_columns).float()
                 tensor.index_copy_(1, enter_new, arrived)
             new_tensors[name] = tensor
         position += numel
@@ -238,12 +272,12 @@ def _complement(selected: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def _share_entering(own: torch.Tensor, plans: Sequence[_Plan], ranks: Ranks) -> torch.Tensor:
-    """Data parallel: from this rank's rows of the entering columns (``[3, own elements]``, plan by plan) to all
-    rows (``[3, all elements]``, plan by plan, each ``[rows, entering]``) on every rank: one sum all-reduce."""
+    """Data parallel: from this rank's rows of the entering columns (``[kinds, own elements]``, plan by plan) to all
+    rows (``[kinds, all elements]``, plan by plan, each ``[rows, entering]``) on every rank: one sum all-reduce."""
     import torch.distributed as dist
 
     total = sum(p.state.slot.rows * p.entering.numel() for p in plans)
-    full = torch.zeros(3, total, dtype=torch.float32, device=own.device)
+    full = torch.zeros(own.shape[0], total, dtype=torch.float32, device=own.device)
     own_position = full_position = 0
     for plan in plans:
         slot, n = plan.state.slot, plan.entering.numel()

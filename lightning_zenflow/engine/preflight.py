@@ -1,7 +1,9 @@
 """Before the host state is built: does this machine have room for it? If not, one error with the figures and the fix.
 
-The engine's host state is shared memory (``engine/layout.py``): per param group a ``[5, n]`` fp32 block (20 B per
-matrix element), a step counter per matrix and an 8 B column index per matrix column, plus an 8 B heartbeat. torch
+The engine's host state is shared memory (``engine/layout.py``): per param group the rows of its
+:class:`~lightning_zenflow.engine.layout.HostFormat` (6 B per matrix element with the default ``host_state="bf16"``,
+12 to 16 B with ``"fp32"``, 4 or 8 B more for host-mode accumulation), a step counter per matrix and an 8 B column
+index per matrix column, plus an 8 B heartbeat. torch
 puts shared memory in ``/dev/shm``, a tmpfs whose pages are RAM, and a container's ``/dev/shm`` is often small
 (Docker's default is 64 MiB). Unchecked, a run that does not fit dies inside torch ("unable to allocate shared
 memory(shm) ... No space left on device") or is killed by the kernel's OOM killer, and nothing says how much it needed.
@@ -35,7 +37,7 @@ import torch
 from lightning_zenflow.engine.accumulate import STAGING_SLOT_BYTES
 from lightning_zenflow.engine.errors import HostResourceError
 from lightning_zenflow.engine.host import UNPACK_SCRATCH_ELEMENTS
-from lightning_zenflow.engine.layout import HOST_BYTES_PER_ELEMENT, GroupLayout
+from lightning_zenflow.engine.layout import GroupLayout, HostFormat
 from lightning_zenflow.engine.shm import SHM_PATH, format_bytes, shm_size_flag, shm_space
 
 SKIP_ENV = "LIGHTNING_ZENFLOW_SKIP_PREFLIGHT"
@@ -53,8 +55,10 @@ class HostNeeds:
     ram_bytes: int
     """``shared_bytes`` plus the worker's unpack scratch and the host-side accumulation staging (an upper bound)."""
     pinned_bytes: int
-    """What CUDA page-locks in place: the host blocks (0 on the CPU)."""
+    """What CUDA page-locks in place: the window rows (and an fp32 master that uploads) (0 on the CPU)."""
     matrix_elements: int
+    bytes_per_element: int = 0
+    """Host bytes per matrix element of the format (``HostFormat.bytes_per_element``)."""
 
 
 @dataclass(frozen=True)
@@ -75,25 +79,35 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
 
 
-def host_needs(layout: Sequence[GroupLayout], device: torch.device) -> HostNeeds:
-    """The host bytes the engine will allocate for ``layout``, computed without allocating anything."""
+DEFAULT_FORMAT = HostFormat.resolve("bf16", master=False, accumulate_on="auto")
+
+
+def host_needs(layout: Sequence[GroupLayout], device: torch.device, host_format: HostFormat | None = None) -> HostNeeds:
+    """The host bytes the engine will allocate for ``layout`` in ``host_format``, computed without allocating."""
+    host_format = host_format or DEFAULT_FORMAT
     shared = _pages(8)  # the worker's heartbeat
-    elements = largest_matrix = 0
+    elements = largest_matrix = pinned = 0
+    row_bytes = [torch.empty((), dtype=host_format.moments).element_size()] * 2
+    row_bytes += [torch.empty((), dtype=host_format.window).element_size()] * host_format.window_rows
+    row_bytes += [4] if host_format.master else []
     for group in layout:
-        shared += _pages(HOST_BYTES_PER_ELEMENT * group.host_numel)  # master, two moments, two accumulators
+        shared += sum(_pages(size * group.host_numel) for size in row_bytes)  # each row is its own segment
         shared += _pages(4 * len(group.matrices))  # host step counts
         shared += _pages(8 * sum(slot.cols for slot in group.matrices))  # host-bound column indices
         elements += group.host_numel
         largest_matrix = max([largest_matrix] + [s.numel * s.param.element_size() for s in group.matrices])
+        pinned += host_format.window_bytes * group.host_numel
+        if host_format.master and any(slot.param.dtype == torch.float32 for slot in group.matrices):
+            pinned += 4 * group.host_numel
     # accumulate_on="host" (chosen at the first step): two staging slots in the training process; the worker's
     # scratch for unpacking them. Counted always: an upper bound that is small next to the host state.
     staging = 2 * min(STAGING_SLOT_BYTES, largest_matrix) + 4 * UNPACK_SCRATCH_ELEMENTS
-    pinned = sum(HOST_BYTES_PER_ELEMENT * g.host_numel for g in layout) if device.type == "cuda" else 0
     return HostNeeds(
         shared_bytes=shared,
         ram_bytes=shared + staging,
-        pinned_bytes=pinned,
+        pinned_bytes=pinned if device.type == "cuda" else 0,
         matrix_elements=elements,
+        bytes_per_element=host_format.bytes_per_element,
     )
 
 
@@ -171,7 +185,7 @@ def measure_machine(shm_path: str = SHM_PATH) -> MachineResources:
 def problems(needs: HostNeeds, machine: MachineResources, shm_path: str = SHM_PATH) -> list[str]:
     """The shortfalls of ``machine`` for ``needs``, each a sentence with both figures and its fix (empty: it fits)."""
     found = []
-    what = f"the host state ({needs.matrix_elements / 1e6:.1f} M weight-matrix elements x {HOST_BYTES_PER_ELEMENT} B)"
+    what = f"the host state ({needs.matrix_elements / 1e6:.1f} M weight-matrix elements x {needs.bytes_per_element} B)"
     if machine.shm_free_bytes is not None and needs.shared_bytes > machine.shm_free_bytes:
         total = f" of {format_bytes(machine.shm_total_bytes)}" if machine.shm_total_bytes is not None else ""
         found.append(
@@ -214,14 +228,17 @@ def check_host_resources(
     device: torch.device,
     machine: MachineResources | None = None,
     ranks_per_host: int = 1,
+    *,
+    host_format: HostFormat | None = None,
 ) -> HostNeeds:
     """Raise :class:`HostResourceError` if the host state of ``layout`` does not fit this machine; returns the needs.
 
     Runs before anything is allocated. ``machine``: the measured resources (measured now when None).
     ``ranks_per_host``: data-parallel ranks on this machine, each allocating a share like this one at the same
-    time; the machine must hold all of them.
+    time; the machine must hold all of them. ``host_format``: what the host holds per element (the default
+    format when None).
     """
-    needs = host_needs(layout, device)
+    needs = host_needs(layout, device, host_format)
     if ranks_per_host > 1:
         needs = dataclasses.replace(
             needs,

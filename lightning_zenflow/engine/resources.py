@@ -13,42 +13,46 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.engine.host import HostWorker, MatrixExtent, WorkerSpec
-from lightning_zenflow.engine.layout import ROW_GRAD_ACC, ROW_MASTER, GroupHostBuffers, GroupLayout
+from lightning_zenflow.engine.host import HostWorker, MatrixExtent, WorkerGroup, WorkerSpec
+from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.engine.rounding import salt_of
 
 
 def pin_host_buffers(
     layout: Sequence[GroupLayout], host_buffers: Sequence[GroupHostBuffers]
 ) -> list[tuple[torch.Tensor, int]]:
-    """Register in place (cudaHostRegister) the rows of the shared blocks that asynchronous copies touch: the
-    two accumulator rows (copies down, staged uploads, a selection's staging), and the master row of a group
-    with an fp32 matrix (its weights go up from the master). ``pin_memory()`` would copy them out of shared
-    memory; the moments are never copied asynchronously, so 8 B of the 20 B per element are pinned (12 with
-    fp32 weights), which also shortens the registration at start-up.
+    """Register in place (cudaHostRegister) the rows that asynchronous copies touch: the window rows (copies down,
+    the steps or staged weights going up, a selection's staging), and the master of a group with an fp32 matrix
+    where the host keeps masters (its weights go up from the master). ``pin_memory()`` would copy them out of shared
+    memory; the moments are never copied asynchronously and stay unpinned.
 
-    Returns (block, address) of every registered span: the block keeps its pages mapped until unregistered."""
-    cudart = torch.cuda.cudart()
-    pinned = []
+    Returns (row, address) of every registered span: the row keeps its pages mapped until unregistered."""
+    rows = []
     for group, host in zip(layout, host_buffers):
-        tensor = host.block_shared
+        rows += list(host.windows)
+        if host.master is not None and any(slot.param.dtype == torch.float32 for slot in group.matrices):
+            rows.append(host.master)
+    return pin_rows(rows)
+
+
+def pin_rows(rows: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Register each of ``rows`` in place (cudaHostRegister); on a failure, unregister what was and raise."""
+    cudart = torch.cuda.cudart()
+    pinned: list[tuple[torch.Tensor, int]] = []
+    for tensor in rows:
         if tensor.numel() == 0:
             continue
-        row_bytes = tensor.shape[1] * tensor.element_size()
-        spans = [(ROW_GRAD_ACC * row_bytes, 2 * row_bytes)]
-        if any(slot.param.dtype == torch.float32 for slot in group.matrices):
-            spans.append((ROW_MASTER * row_bytes, row_bytes))
-        for start, nbytes in spans:
-            pointer = tensor.data_ptr() + start
-            code = cudart.cudaHostRegister(pointer, nbytes, 1)  # 1: cudaHostRegisterPortable
-            if int(code) != 0:
-                unpin(pinned)
-                raise RuntimeError(
-                    f"cudaHostRegister failed with code {int(code)} for {nbytes} bytes of host state. Pinning "
-                    "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
-                    "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
-                )
-            pinned.append((tensor, pointer))
+        pointer, nbytes = tensor.data_ptr(), tensor.nbytes
+        code = cudart.cudaHostRegister(pointer, nbytes, 1)  # 1: cudaHostRegisterPortable
+        if int(code) != 0:
+            unpin(pinned)
+            raise RuntimeError(
+                f"cudaHostRegister failed with code {int(code)} for {nbytes} bytes of host state. Pinning "
+                "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
+                "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
+            )
+        pinned.append((tensor, pointer))
     return pinned
 
 
@@ -90,13 +94,24 @@ def own_cores(ranks: Ranks) -> list[int] | None:
     return ranks.own_cores(sorted(os.sched_getaffinity(0)), os.cpu_count() or 1)
 
 
-def worker_extents(group: GroupLayout) -> list[MatrixExtent]:
-    """Where each matrix of ``group`` lies in the group's host block, as the worker reads it."""
+def worker_extents(group: GroupLayout, row_offsets: Mapping[str, int] | None = None) -> list[MatrixExtent]:
+    """Where each matrix of ``group`` lies in the group's host rows, as the worker reads it. ``row_offsets``
+    (FSDP2): where each matrix's local rows start in the whole matrix."""
     extents, col_offset = [], 0
     for slot in group.matrices:
-        extents.append(MatrixExtent(slot.offset, slot.host_numel, slot.param.dtype, slot.cols, col_offset))
+        row_start = (row_offsets or {}).get(slot.name, 0) + slot.row_start
+        extents.append(
+            MatrixExtent(
+                slot.offset, slot.host_numel, slot.param.dtype, slot.cols, col_offset, salt_of(slot.name), row_start
+            )
+        )
         col_offset += slot.cols
     return extents
+
+
+def worker_groups(host_buffers: Sequence[GroupHostBuffers]) -> tuple[WorkerGroup, ...]:
+    """The shared rows of every group, as the worker receives them."""
+    return tuple(WorkerGroup(h.exp_avg, h.exp_avg_sq, h.step_shared, h.master, tuple(h.windows)) for h in host_buffers)
 
 
 def start_worker(
@@ -108,6 +123,7 @@ def start_worker(
     binding: CoreBinding,
     stage_delays: Mapping[str, float],
     fail_at_update: int | None,
+    row_offsets: Mapping[str, int] | None = None,
 ) -> HostWorker:
     """Split the cores (``bind_cores``: the training process keeps its share, recorded in ``binding``) and spawn the
     host worker over the shared blocks."""
@@ -119,13 +135,13 @@ def start_worker(
         worker_cores = None
     threads = config.host_threads or max(1, len(host_cores))
     spec = WorkerSpec(
-        blocks=tuple(h.block_shared for h in host_buffers),
-        steps=tuple(h.step_shared for h in host_buffers),
-        extents=tuple(tuple(worker_extents(g)) for g in layout),
+        groups=worker_groups(host_buffers),
+        extents=tuple(tuple(worker_extents(g, row_offsets)) for g in layout),
         heartbeat=torch.zeros(1, dtype=torch.float64).share_memory_(),
         threads=threads,
         cores=worker_cores,
         unselected=tuple(unselected_shared),
+        kernel_mode=config.interim_kernel,
         delay_s=stage_delays.get("worker", 0.0),
         fail_at_update=fail_at_update,
     )

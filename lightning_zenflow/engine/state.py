@@ -27,8 +27,8 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.device import DeviceUpdater
 from lightning_zenflow.engine.interim import InterimMoves
-from lightning_zenflow.engine.interim_state import absorb_interim_steps, load_interim, masters_from_interim_state
-from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, MatrixSlot, staging_view
+from lightning_zenflow.engine.interim_state import absorb_steps, load_interim, pending_steps, stage_pending
+from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, MatrixSlot
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.schedule import Schedule
 from lightning_zenflow.engine.state_checks import MOMENTS, STATE_VERSION, check_progress, check_state, moments_by_name
@@ -89,25 +89,31 @@ def _merged(engine: ZenFlowEngine, row_blocks: bool = False, include_moments: bo
     """
     engine.synchronize_device()
     keep = row_blocks or engine.ranks.rank == 0
+    pending = engine.schedule.pending
     merged = {}
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
-        for state in engine.device_updater.selected[group_index]:
+        stepping = set(pending.active[group_index]) if pending is not None and host.master is None else set()
+        for index, state in enumerate(engine.device_updater.selected[group_index]):
             slot = state.slot
             entry = {}
-            rows = [("master", host.master, state.master)]
+            rows = [("master", _host_masters(slot, host), state.master)]
             if include_moments:
                 rows += [("exp_avg", host.exp_avg, state.exp_avg), ("exp_avg_sq", host.exp_avg_sq, state.exp_avg_sq)]
+            if index in stepping:
+                # a computed step that has not landed: the worker wrote it over the window's sum
+                rows.append(("step", host.grad_acc(pending.slot), None))
             for key, host_row, device_tensor in rows:
+                own = host_row if host_row.dim() == 2 else slot.view2d(host_row)
                 if row_blocks:
-                    value = slot.view2d(host_row).clone()
-                    device_tensor = device_tensor[slot.row_start : slot.row_stop]
+                    value = own.float().clone()
                 else:
-                    value = engine.ranks.gather_rows(slot.view2d(host_row), slot.rows, engine.device)
+                    value = engine.ranks.gather_rows(own.float(), slot.rows, engine.device)
                     if value is None:
                         continue
-                if state.k:
-                    value.index_copy_(1, state.selected_host, device_tensor.cpu())
+                if state.k and device_tensor is not None:
+                    device_rows = device_tensor[slot.row_start : slot.row_stop] if row_blocks else device_tensor
+                    value.index_copy_(1, state.selected_host, device_rows.cpu())
                 entry[key] = value if row_blocks else value.view(slot.param.shape)
             if not keep:
                 continue
@@ -133,6 +139,14 @@ def _merged(engine: ZenFlowEngine, row_blocks: bool = False, include_moments: bo
                 merged[device_entry.name]["exp_avg"] = state.exp_avg.cpu().clone()
                 merged[device_entry.name]["exp_avg_sq"] = state.exp_avg_sq.cpu().clone()
     return merged
+
+
+def _host_masters(slot: MatrixSlot, host: GroupHostBuffers) -> torch.Tensor:
+    """This rank's rows of a matrix's masters as the host side holds them: the host's fp32 masters, or the weights
+    (where they are the masters of the host columns)."""
+    if host.master is not None:
+        return slot.view2d(host.master)
+    return slot.own(slot.param.detach()).cpu()
 
 
 def engine_row_blocks(engine: ZenFlowEngine) -> dict:
@@ -166,7 +180,7 @@ def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights:
     without one start as AdamW starts them (zero moments and counts, the weights as master, on the host). Names in
     ``from_weights`` take their master from the current weights instead of the carried one."""
     updater = engine.device_updater
-    selected, device_steps = [], []
+    selected, device_steps, saved = [], [], {}
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
         for slot in group.matrices:
@@ -175,8 +189,13 @@ def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights:
                 selected.append(torch.empty(0, dtype=torch.long))
                 device_steps.append(0)
                 continue
+            saved[slot.name] = {key: entry[key] for key in MOMENTS}
             if slot.name not in from_weights:
-                slot.view2d(host.master).copy_(entry["master"].reshape(slot.host_rows, slot.cols))
+                saved[slot.name]["master"] = entry["master"]
+                if host.master is not None:
+                    slot.view2d(host.master).copy_(entry["master"].reshape(slot.host_rows, slot.cols))
+            else:
+                saved[slot.name]["master"] = slot.own(slot.param.detach()).float().cpu()
             for key in MOMENTS:
                 slot.view2d(getattr(host, key)).copy_(entry[key].reshape(slot.host_rows, slot.cols))
             host.step_shared[slot.index_in_group] = float(entry["host_step"])
@@ -195,8 +214,39 @@ def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
+    _device_state_from(engine, saved, row_blocks=True)
     load_interim(engine, entries)
     engine.synchronize_device()
+
+
+def _device_state_from(
+    engine: ZenFlowEngine, saved: Mapping[str, Mapping[str, torch.Tensor]], row_blocks: bool
+) -> None:
+    """The selected columns' device masters and moments from the saved fp32 values (``{name: {key: [rows, cols]}}``,
+    or this rank's ``[host_rows, cols]`` with ``row_blocks``), where the host holds them narrower than the saved
+    values: a migration took them from there (bf16 moments), or from the weights (the weights are the masters of host
+    columns, rounded to the model's dtype). Data parallel row blocks: the rows of every rank, one sum all-reduce per
+    value (collective: every rank calls this)."""
+    for group_index, host in enumerate(engine.host_buffers):
+        keys = [] if host.master is not None else ["master"]
+        keys += [key for key in MOMENTS if getattr(host, key).dtype != torch.float32]
+        if not keys:
+            continue
+        for state in engine.device_updater.selected[group_index]:
+            slot = state.slot
+            values = saved.get(slot.name)
+            if values is None or not state.k:
+                continue
+            for key in keys:
+                columns = values[key].reshape(-1, slot.cols).index_select(1, state.selected_host).float()
+                if row_blocks and engine.ranks.sharded:
+                    whole = torch.zeros(slot.rows, state.k, dtype=torch.float32)
+                    whole[slot.row_start : slot.row_stop] = columns
+                    columns = engine.ranks.all_reduce_sum(whole, engine.device)
+                with torch.no_grad():
+                    getattr(state, key).copy_(columns.to(state.master.device))
+            with torch.no_grad():
+                DeviceUpdater.write_selected(state)
 
 
 def follow_param_groups(engine: ZenFlowEngine) -> None:
@@ -246,8 +296,12 @@ def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
 
 
 def _rule(engine: ZenFlowEngine) -> dict:
-    """Marks a state saved with interim moves: its host masters are not the weights (docs/update_rule.md)."""
-    return {"interim": True} if engine.interim is not None else {}
+    """Marks a state saved with interim moves (their statistics are in it) and one whose host update in flight is a
+    step (the weights are the masters of the host columns; docs/update_rule.md)."""
+    marks = {"interim": True} if engine.interim is not None else {}
+    if not any(host.master is not None for host in engine.host_buffers):
+        marks["weights_are_masters"] = True
+    return marks
 
 
 def _param_names(engine: ZenFlowEngine) -> dict[str, torch.Tensor]:
@@ -337,13 +391,15 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
         keep_interval=None if engine.config.update_interval == "auto" else int(engine.config.update_interval),
     )
     updater = engine.device_updater
-    selected, device_steps = [], []
+    selected, device_steps, saved_values = [], [], {}
     window_sums = {name: entry["grad_acc"] for name, entry in params.items() if "grad_acc" in entry}
     for group_index, group in enumerate(engine.layout):
         host = engine.host_buffers[group_index]
         for slot in group.matrices:
             entry = params[slot.name]
-            slot.view2d(host.master).copy_(own(slot, entry["master"]))
+            saved_values[slot.name] = {"master": entry["master"], **{key: moment(slot.name, key) for key in MOMENTS}}
+            if host.master is not None:
+                slot.view2d(host.master).copy_(own(slot, entry["master"]))
             slot.view2d(host.exp_avg).copy_(own(slot, moment(slot.name, "exp_avg")))
             exp_avg_sq = moment(slot.name, "exp_avg_sq").reshape(-1, slot.cols)
             slot.view2d(host.exp_avg_sq).copy_(own(slot, exp_avg_sq))
@@ -357,8 +413,6 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
                 window_sums[slot.name] = _without_leaving(window_sums[slot.name], slot, saved, chosen)
             selected.append(chosen)
             device_steps.append(int(entry["device_step"]))
-        if state.get("interim") and engine.interim is None:
-            masters_from_interim_state(engine, group_index, engine.schedule.pending, params)
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
             entry = params[device_entry.name]
             with torch.no_grad():
@@ -368,17 +422,18 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
                 if state_entry.separate_master:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
+    pending = engine.schedule.pending
+    steps = pending_steps(engine, pending, params, own)
     engine.install_selection(selected, device_steps)
+    _device_state_from(engine, saved_values, row_blocks=row_blocks)
     load_interim(engine, params)
     engine.restore_window_sums(window_sums, row_blocks=row_blocks)
-    pending = engine.schedule.pending
     if pending is not None:
-        # a matrix now entirely on the device took the computed update with its masters: nothing left to land
+        # a matrix now entirely on the device takes the computed update at once: nothing left to land
         flat = iter(selected)
         all_on_device = [[next(flat).numel() == slot.cols for slot in group.matrices] for group in engine.layout]
         if pending.scales is not None:
-            if engine.interim is not None:
-                absorb_interim_steps(engine, pending, all_on_device, params)
+            absorb_steps(engine, pending, all_on_device, steps, params)
             pending.scales = [
                 [scale for i, scale in zip(a, pending.scales[g]) if not all_on_device[g][i]]
                 for g, a in enumerate(pending.active)
@@ -388,15 +443,9 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
             engine.schedule.pending = None
     pending = engine.schedule.pending
     if pending is not None:
-        # rebuild the staged upload of the computed update: the host master cast to the model dtype
         pending.computed = True
-        for group_index, group in enumerate(engine.layout):
-            host = engine.host_buffers[group_index]
-            for index in pending.active[group_index]:
-                slot = group.matrices[index]
-                if slot.param.dtype == torch.float32:
-                    continue  # fp32 weights are uploaded from the master itself
-                staging_view(host.grad_acc(pending.slot), slot, slot.param.dtype).copy_(slot.view2d(host.master))
+        # after the selection's migration, which staged through the window rows: the update's result goes there
+        stage_pending(engine, pending, steps)
     engine.synchronize_device()
 
 

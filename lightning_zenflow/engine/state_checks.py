@@ -15,8 +15,9 @@ import torch
 
 from lightning_zenflow.engine.layout import GroupLayout
 
-STATE_VERSION = 2
-"""2: the schedule is saved as ``Schedule.state_dict()`` and the open window as gradient sums."""
+STATE_VERSION = 3
+"""3: the weights are the masters of host columns (a host update in flight is saved as its ``step``); 2: the schedule
+is saved as ``Schedule.state_dict()`` and the open window as gradient sums."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 MATRIX_KEYS = ("master", "device_step", "host_step", "selected")
@@ -70,7 +71,7 @@ def check_state(state: object, shapes: Mapping[str, tuple[int, ...]], require_al
         absent = [key for key in required if key not in entry]
         if absent:
             raise ValueError(f"the saved state of {name} lacks {absent}; it is incomplete.")
-        for key in ("master", *MOMENTS, "grad_acc"):
+        for key in ("master", *MOMENTS, "grad_acc", "step"):
             if key not in entry:
                 continue
             value = entry[key]

@@ -120,7 +120,6 @@ def host_jobs(
     hparams: Sequence[HyperParams],
     counts: Sequence[Sequence[int]],
     host_mode: bool,
-    step_only: bool,
 ) -> list[GroupJob]:
     """Per group: the matrices with columns on the host that got gradients in the window, and how many."""
     jobs = []
@@ -135,7 +134,6 @@ def host_jobs(
                 packed_columns=(
                     tuple(group_states[i].slot.cols - group_states[i].k for i in active) if host_mode else None
                 ),
-                step_only=step_only,
             )
         )
     return jobs

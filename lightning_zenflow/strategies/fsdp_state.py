@@ -15,7 +15,7 @@ import torch
 
 from lightning_zenflow.engine.ranks import Ranks
 
-ROW_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad_acc")
+ROW_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad_acc", "step")
 """The per-row tensors of a parameter's ZenFlow state: sharded with the parameter's rows."""
 
 
