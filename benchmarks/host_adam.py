@@ -2,34 +2,34 @@
 
 For each size (parameters, split into matrices of ``--chunk`` elements like a model's layers) and thread count:
 
-- ``engine``: ``lightning_zenflow.engine.host.host_adam_update`` called in this process on a flat shared host block, as
-  the host worker runs it (one AdamW step with a window's accumulator, divisor 1 here: the fused kernel divides the
-  sum by the count as it reads, so the divisor costs no extra pass; for a bf16 model then the new weights cast to
-  bf16 into the accumulator's bytes, the staging area of the upload; fp32 weights are uploaded from the master);
+- ``engine``: ``lightning_zenflow.engine.host.host_adam_update`` called in this process on shared host rows in the
+  host format of ``--host-state`` (``engine/layout.py``), as the host worker runs it: one AdamW step from a window's
+  sum (divisor 1 here), the weights as the masters, so the step is written over the window row it read
+  (``engine/host_step.py``; compiled by ``torch.compile`` where a compiler is found: ``LIGHTNING_ZENFLOW_KERNELS``
+  says which);
 - ``worker``: the same update through a spawned ``HostWorker`` (its reported compute time, and submit-to-answer wall
   time, pipe included);
-- ``fused AdamW``: ``torch.optim.AdamW(fused=True).step()`` on fp32 parameters of the same sizes;
+- ``fused AdamW``: ``torch.optim.AdamW(fused=True).step()`` on fp32 parameters of the same sizes: the yardstick;
 - ``copy``: ``dst.copy_(src)`` of a large fp32 tensor, the machine's copy bandwidth in the same run; and ``add_``:
   ``dst.add_(src)``, an in-place stream like AdamW's (read both, write ``dst`` back; no write-allocate traffic).
 
 Bytes counted per parameter (what each kernel must move at least once):
 
-- engine: AdamW reads master, accumulated grad, exp_avg, exp_avg_sq (4 x 4 B) and writes master, exp_avg, exp_avg_sq
-  (3 x 4 B) = 28 B; for a bf16 model the staged upload copy reads the master again (4 B) and writes 2 B: 34 B;
-  for an fp32 model there is no staging: 28 B;
-- fused AdamW: 28 B (the same seven fp32 streams, no staging);
+- engine, ``host_state="bf16"``: reads the bf16 window sum, exp_avg and exp_avg_sq, writes them back (the step over
+  the sum): 6 x 2 = 12 B; ``"fp32"``: the same six streams in fp32, 24 B;
+- fused AdamW: reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 28 B;
 - copy: 8 B per fp32 element (read 4, write 4); add_: 12 B (read 4 + 4, write 4).
 
-The ratio to fused AdamW compares parameters per second (the work a user waits for; the engine also stages the upload),
-target >= 0.9; the fractions of copy and add_ bandwidth compare bytes per second.
+The ratio to fused AdamW compares parameters per second on the same cores (target >= 1.2 for the default bf16 state:
+it moves less than half the bytes); the fractions of copy and add_ bandwidth compare bytes per second.
 
 A second table, the host add of ``accumulate_on="host"`` (``HostAccumulation.add_staged``, what the helper thread runs
 per staged chunk into the packed accumulator), in elements per second against a plain contiguous fp32
 ``acc.add_(src)`` of the same element count (target >= 0.8x), for an fp32 and a bf16 gradient, and the path it
 replaced (``index_add_`` of strided columns with ``alpha=1/S``, ATen's serial loop) on the same data.
 
-    python benchmarks/host_adam.py                     # 1M, 16M, 64M parameters; 1 and 2 threads; bf16 model
-    python benchmarks/host_adam.py --model-dtype fp32  # the same for an fp32 model (no staging pass)
+    python benchmarks/host_adam.py                     # 1M, 16M, 64M parameters; 1 and 2 threads; bf16 state
+    python benchmarks/host_adam.py --host-state fp32   # the exact state
     python benchmarks/host_adam.py --quick    # smoke run, < 60 s
 """
 
@@ -49,13 +49,24 @@ import bench_utils
 import torch
 
 from lightning_zenflow.engine.device import HyperParams
-from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec, host_adam_update
+from lightning_zenflow.engine.host import (
+    GroupJob,
+    HostWorker,
+    MatrixExtent,
+    StepKernels,
+    WorkerGroup,
+    WorkerSpec,
+    host_adam_update,
+)
+from lightning_zenflow.engine.kernels import resolve_kernel_mode
 
 DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "host_adam.json"
-TARGET_RATIO = 0.9
+TARGET_RATIO = 1.2
 
 HPARAMS = HyperParams(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ENGINE_BYTES = {"bf16": 12, "fp32": 24}
+"""Bytes per parameter the engine's step moves at least once (see the module docstring)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,10 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--chunk", type=float, default=4.0, help="millions of parameters per matrix (default 4).")
     parser.add_argument(
-        "--model-dtype",
-        choices=tuple(DTYPES),
+        "--host-state",
+        choices=tuple(STATE_DTYPES),
         default="bf16",
-        help="the model dtype: bf16 (the GPU case) stages a bf16 upload copy; fp32 needs none (default bf16).",
+        help="the host state's precision: bf16 (the default, 6 B per parameter) or fp32 (the exact state).",
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per measurement (7; quick 3).")
     parser.add_argument("--copy-mb", type=int, default=None, help="size of the copy test in MB (256; quick 64).")
@@ -107,34 +118,39 @@ def time_median(fn: Callable[[], Any], repeats: int, prepare: Callable[[], None]
 
 
 class HostProblem:
-    """One size: the engine's shared host block with a job over all its matrices, and fused-AdamW tensors."""
+    """One size: the engine's shared host rows with a job over all its matrices, and fused-AdamW tensors."""
 
-    def __init__(self, numel: int, chunk: int, model_dtype: torch.dtype, seed: int = 0) -> None:
+    def __init__(self, numel: int, chunk: int, state_dtype: torch.dtype, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         sizes = [min(chunk, numel - start) for start in range(0, numel, chunk)]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.extents = tuple(MatrixExtent(o, n, model_dtype) for o, n in zip(offsets, sizes))
-        # the engine's layout: [master, exp_avg, exp_avg_sq, grad_acc[0], grad_acc[1]] in one shared block
-        self.block = torch.zeros(5, numel).share_memory_()
-        self.block[0].copy_(torch.randn(numel, generator=generator) * 0.02)
-        self.grad_source = torch.randn(numel, generator=generator) * 1e-3
-        self.steps = torch.zeros(len(sizes)).share_memory_()
-        # a full window: the accumulator already holds the mean, divisor 1 (no grad_scale pass)
+        cols = 4096
+        self.extents = tuple(
+            MatrixExtent(o, n, torch.bfloat16, cols if n % cols == 0 else n, 0, salt=i)
+            for i, (o, n) in enumerate(zip(offsets, sizes))
+        )
+        # the engine's host format: the moments and one window row, in the state's dtype, each its own shared row
+        rows = [torch.zeros(numel, dtype=state_dtype).share_memory_() for _ in range(3)]
+        self.group = WorkerGroup(rows[0], rows[1], torch.zeros(len(sizes)).share_memory_(), None, (rows[2],))
+        self.master = torch.randn(numel, generator=generator) * 0.02
+        self.grad_source = (torch.randn(numel, generator=generator) * 1e-3).to(state_dtype)
+        # a full window: the window row holds the mean, divisor 1
         self.job = GroupJob(hparams=HPARAMS, active=tuple(range(len(sizes))), mean_divisors=(1.0,) * len(sizes))
         self.numel = numel
+        self.kernels = StepKernels(resolve_kernel_mode("auto", torch.device("cpu"))[0])
 
     def refill_grads(self) -> None:
-        """Restore the accumulator: the previous update overwrote its bytes with the staged model-dtype weights."""
-        self.block[3].copy_(self.grad_source)
+        """Restore the window row: the previous update wrote its step over it."""
+        self.group.windows[0].copy_(self.grad_source)
 
     def engine_step(self) -> None:
-        host_adam_update(self.block, self.steps, self.extents, 0, self.job)
+        host_adam_update(self.group, self.extents, 0, self.job, kernels=self.kernels)
 
     def fused_adamw(self) -> torch.optim.AdamW:
         params = []
         for extent in self.extents:
-            param = self.block[0, extent.offset : extent.offset + extent.numel].clone()
-            param.grad = self.grad_source[extent.offset : extent.offset + extent.numel].clone()
+            param = self.master[extent.offset : extent.offset + extent.numel].clone()
+            param.grad = self.grad_source[extent.offset : extent.offset + extent.numel].float()
             params.append(param)
         return torch.optim.AdamW(
             params,
@@ -160,12 +176,12 @@ def stream_bandwidth(megabytes: int, threads: int, cores: list[int], repeats: in
 def measure_worker(problem: HostProblem, threads: int, cores: list[int], repeats: int) -> tuple[float, float]:
     """(median compute seconds reported by the worker, median submit-to-answer seconds) over ``repeats`` updates."""
     spec = WorkerSpec(
-        blocks=(problem.block,),
-        steps=(problem.steps,),
+        groups=(problem.group,),
         extents=(problem.extents,),
         heartbeat=torch.zeros(1, dtype=torch.float64).share_memory_(),
         threads=threads,
         cores=tuple(cores),
+        kernel_mode=problem.kernels.kernels.mode,
     )
     worker = HostWorker(spec, timeout_s=60.0)
     compute, wall = [], []
@@ -225,16 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         "host_adam: the engine's host AdamW step vs fused torch AdamW vs a plain copy, same sizes and threads",
         torch.device("cpu"),
     )
-    model_dtype = DTYPES[args.model_dtype]
-    staged_bytes = 0 if model_dtype == torch.float32 else torch.empty((), dtype=model_dtype).element_size()
-    engine_bytes_per_param = 28 + (4 + staged_bytes if staged_bytes else 0)
+    state_dtype = STATE_DTYPES[args.host_state]
+    engine_bytes_per_param = ENGINE_BYTES[args.host_state]
     adamw_bytes_per_param = 28
     cores = bench_utils.available_cores()
     chunk = int(args.chunk * 1e6)
+    kernel_mode = resolve_kernel_mode("auto", torch.device("cpu"))[0]
     print(
-        f"bytes per parameter: engine {engine_bytes_per_param} (AdamW 28 + staged {args.model_dtype} copy "
-        f"{4 + staged_bytes if staged_bytes else 0}), fused AdamW {adamw_bytes_per_param}, "
-        "copy 8 and add_ 12 per fp32 element; matrices of "
+        f"bytes per parameter: engine {engine_bytes_per_param} (host_state={args.host_state}, its step {kernel_mode}), "
+        f"fused AdamW {adamw_bytes_per_param}, copy 8 and add_ 12 per fp32 element; matrices of "
         f"{args.chunk:g}M parameters; median of {args.repeats} repetitions after 2 warm-ups; each thread count "
         "pinned to that many cores"
     )
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, records = [], []
     for size in args.sizes:
         numel = int(size * 1e6)
-        problem = HostProblem(numel, chunk, model_dtype)
+        problem = HostProblem(numel, chunk, state_dtype)
         optimizer = problem.fused_adamw()
         for threads in args.threads:
             with bench_utils.pinned(cores[:threads], threads):
@@ -365,16 +380,17 @@ def main(argv: list[str] | None = None) -> int:
     payload = bench_utils.payload(
         "host_adam",
         info,
-        model_dtype=args.model_dtype,
+        host_state=args.host_state,
+        kernel_mode=kernel_mode,
         bytes_per_param={
             "engine": engine_bytes_per_param,
             "fused_adamw": adamw_bytes_per_param,
             "copy": 8,
             "add_": 12,
         },
-        bytes_note="engine: AdamW reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq "
-        "(28 B), then for a non-fp32 model the staged upload copy reads the master (4 B) and writes the model dtype; "
-        "fused AdamW: 28 B; copy: read + write of fp32 (8 B); add_: two reads and a write (12 B).",
+        bytes_note="engine: reads the window sum, exp_avg and exp_avg_sq and writes them back (the step over the sum): "
+        "12 B in bf16, 24 B in fp32; fused AdamW: reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, "
+        "exp_avg_sq (28 B); copy: read + write of fp32 (8 B); add_: two reads and a write (12 B).",
         chunk_params=chunk,
         repeats=args.repeats,
         copy_bytes=args.copy_mb * 2**20,

@@ -75,10 +75,12 @@ class ZenFlowConfig:
     builds the kernels (seconds; cached on disk by torch for later runs)."""
 
     accumulate_on: Literal["auto", "device", "host"] = "auto"
-    """Where the window's unselected gradient columns are summed. ``"device"``: an fp32 accumulator on the
-    device, copied down once per window (least link traffic, no model-sized host work per step). ``"host"``:
-    copied down every step and added on the host (least device memory). Same numbers either way. ``"auto"``
-    picks ``"device"`` when its buffers fit in the device memory free after the first step, else ``"host"``."""
+    """Where the window's unselected gradient columns are summed. ``"device"``: an accumulator on the device (bf16,
+    2 B per matrix element, rounded stochastically; fp32 with ``host_state="fp32"``), copied down once per window
+    (least link traffic, no model-sized host work per step). ``"host"``: copied down every step and added in fp32 on
+    the host (least device memory; 8 B more per parameter on the host). With ``host_state="fp32"`` the two give the
+    same numbers. ``"auto"`` picks ``"device"`` when its buffers fit in the device memory free after the first step,
+    else ``"host"``."""
 
     host_state: Literal["fp32", "bf16"] = "bf16"
     """Precision of the optimizer state on the host. ``"bf16"``: the moments and the window's gradient sum in bf16
@@ -86,7 +88,8 @@ class ZenFlowConfig:
     of the host columns: 6 B per parameter on the host, 2 B for the window's sum on the device. ``"fp32"``: the exact
     state, fp32 moments and sums (and an fp32 master for weights that are not fp32 without interim moves): 12 to 16
     B per parameter on the host, 4 B on the device; with it every degenerate setting equals torch's AdamW to float
-    rounding (docs/update_rule.md)."""
+    rounding (docs/update_rule.md). Either way Adam's L2 decay (not AdamW's) keeps an fp32 master on the host (4 B
+    more)."""
 
     importance: Literal["l2", "l1"] = "l2"
     """Column score used for selection: squared L2 norm of the column's gradient (the paper) or its L1 sum."""

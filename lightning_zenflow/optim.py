@@ -119,6 +119,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         interim_step: float | Literal["auto"] = "auto",
         interim_kernel: Literal["auto", "compiled", "eager"] = "auto",
         accumulate_on: Literal["auto", "device", "host"] = "auto",
+        host_state: Literal["fp32", "bf16"] = "bf16",
         importance: Literal["l2", "l1"] = "l2",
         host_threads: int | None = None,
         pt_reserved_cores_perc: float = 0.5,

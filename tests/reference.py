@@ -164,7 +164,7 @@ def compact_update(
             hp.beta2,
             1.0 - hp.beta2,
             hp.lr / (1.0 - hp.beta1**count),
-            math.sqrt(1.0 - hp.beta2**count),
+            1.0 / math.sqrt(1.0 - hp.beta2**count),
             hp.eps,
             unit(salt, PURPOSE_EXP_AVG_SQ, count),
             hp.weight_decay if with_master and not hp.decoupled else 0.0,
@@ -178,7 +178,7 @@ def compact_update(
     m = exp_avg.float()
     m = m + (grad - m) * scalars[2]
     v = exp_avg_sq.float() * scalars[3] + grad * grad * scalars[4]
-    step = -scalars[5] * m / (v.sqrt() / scalars[6] + scalars[7])
+    step = -scalars[5] * m / (v.sqrt() * scalars[6] + scalars[7])
     if stochastic:
         m = m.to(torch.bfloat16).float()
         v = round_bf16(v, lattice(row_u, col_u, scalars[8]))
@@ -219,7 +219,7 @@ class HostPolicy:
 class _Matrix:
     """A parameter with ndim >= 2, viewed as [shape[0], numel // shape[0]], split by column."""
 
-    def __init__(self, name: str, param: torch.Tensor, group: int, policy: HostPolicy) -> None:
+    def __init__(self, name: str, param: torch.Tensor, group: int, index_in_group: int, policy: HostPolicy) -> None:
         self.name, self.group, self.shape, self.dtype = name, group, tuple(param.shape), param.dtype
         self.policy = policy
         self.rows = param.shape[0]
@@ -245,8 +245,9 @@ class _Matrix:
         self.interim_row = torch.zeros(self.rows)
         self.interim_col = torch.zeros(self.cols)
         self.interim_decay = torch.ones(())
-        # the compact state's random numbers: per row and per column of this matrix, and its salt
-        self.salt = zlib.crc32(name.encode())
+        # the compact state's random numbers: per row and per column of this matrix, and its salt (from its place
+        # among the group's matrices)
+        self.salt = zlib.crc32(f"{group}:{index_in_group}".encode())
         self.row_u = torch.tensor([unit(self.salt, i) for i in range(self.rows)], dtype=torch.float32)
         self.col_u = torch.tensor([unit(self.salt ^ COLUMN_SALT, j) for j in range(self.cols)], dtype=torch.float32)
 
@@ -451,7 +452,8 @@ class ReferenceZenFlow:
         for group_index, param in trainable:
             name = names_by_id[id(param)]
             if param.ndim >= 2:
-                self.matrices.append(_Matrix(name, param, group_index, self.policy))
+                index = sum(matrix.group == group_index for matrix in self.matrices)
+                self.matrices.append(_Matrix(name, param, group_index, index, self.policy))
             else:
                 self.device_only.append(_DeviceOnly(name, param, group_index))
         if config.select_strategy == "step":

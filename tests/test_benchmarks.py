@@ -157,12 +157,13 @@ def test_ddp_bench_quick(tmp_path: pathlib.Path) -> None:
         assert 0.0 <= entry["stall_share"] <= 1.0
     for name in ("device 2/0", "device 2/1"):
         assert positive(summary[name]["median_allreduce_s"])
-    # device mode, fp32: the accumulator down and the weights up, once per window of 4, of every matrix's own rows
+    # device mode, the compact state: the bf16 accumulator down and the bf16 step up, once per window of 4, of every
+    # matrix's own rows
     width, layers = settings["width"], settings["layers"]
     matrix_elements = (8 * layers + 1) * width * width  # per block d x 4d twice, and the d x d head
     one = summary["device 1/0"]
-    assert one["d2h_bytes_per_step"] == pytest.approx(matrix_elements * 4 / 4)
-    assert one["h2d_bytes_per_step"] == pytest.approx(matrix_elements * 4 / 4)
+    assert one["d2h_bytes_per_step"] == pytest.approx(matrix_elements * 2 / 4)
+    assert one["h2d_bytes_per_step"] == pytest.approx(matrix_elements * 2 / 4)
     ratios = result["ratios_2_over_1"]["device"]
     assert ratios["d2h_per_rank"] == pytest.approx(0.5)
     assert ratios["h2d_per_rank"] == pytest.approx(0.5)
@@ -229,7 +230,8 @@ def test_host_adam_quick(tmp_path: pathlib.Path) -> None:
             assert positive(record[key]), f"{key} = {record[key]}"
     assert positive(result["results"][0]["worker_compute_s"])
     assert positive(result["results"][0]["worker_wall_s"])
-    assert result["bytes_per_param"] == {"engine": 34, "fused_adamw": 28, "copy": 8, "add_": 12}
+    assert result["bytes_per_param"] == {"engine": 12, "fused_adamw": 28, "copy": 8, "add_": 12}
+    assert result["host_state"] == "bf16"
 
 
 def test_finetune_quality_quick(tmp_path: pathlib.Path) -> None:
@@ -311,9 +313,12 @@ def test_gpu_stall_cpu_smoke(tmp_path: pathlib.Path) -> None:
     assert footer == {"kind": "footer", "rows": ["zenflow-device", "zenflow-host"], "failures": []}
     matrix_elements = 4 * 256 * 128  # --quick: four [256, 128] fp32 matrices
     host_columns = 128 - math.ceil(0.1 * 128)
-    # per step and matrix element: device mode copies the fp32 accumulator down once per window of 4, host mode
-    # the unselected columns at every step; both copy the fp32 weights up once per window
-    for row, d2h_per_element in ((rows[0], 4 / 4), (rows[1], 4 * host_columns / 128)):
+    # per step and matrix element: device mode copies the bf16 accumulator down once per window of 4 and the bf16
+    # step up; host mode the unselected fp32 gradient columns down at every step, the fp32 step up once per window
+    for row, d2h_per_element, h2d_per_element in (
+        (rows[0], 2 / 4, 2 / 4),
+        (rows[1], 4 * host_columns / 128, 4 / 4),
+    ):
         assert row["accumulate_on"] == row["name"].removeprefix("zenflow-")
         assert row["measured_steps"] % 4 == 0, "whole windows are timed"
         assert len(row["step_s"]) == len(row["stall_s"]) == row["measured_steps"]
@@ -321,7 +326,7 @@ def test_gpu_stall_cpu_smoke(tmp_path: pathlib.Path) -> None:
             assert positive(row[key]), f"{row['name']}: {key} = {row[key]}"
         assert 0.0 <= row["stall_share"] <= 1.0
         assert row["d2h_bytes_per_step"] == pytest.approx(matrix_elements * d2h_per_element)
-        assert row["h2d_bytes_per_step"] == pytest.approx(matrix_elements * 4 / 4)
+        assert row["h2d_bytes_per_step"] == pytest.approx(matrix_elements * h2d_per_element)
 
 
 def test_real_lm_quick(tmp_path: pathlib.Path) -> None:

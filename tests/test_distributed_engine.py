@@ -23,9 +23,9 @@ from distributed_helpers import SmallNet, batch, engine_ranks, load_results, res
 BASE = {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step", "select_interval": 4}
 STEPS = 11  # selections at steps 1 and 6 and 10, a partial window closed by the flush
 CHECKPOINT_AT = 9  # a host update computed and not applied, one step of the next window accumulated
-DEGENERATE = [
-    {"topk_ratio": 1.0, "update_interval": 3, "accumulate_on": "device"},
-    {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False, "accumulate_on": "host"},
+DEGENERATE = [  # compared with torch's AdamW: the exact state
+    {"topk_ratio": 1.0, "update_interval": 3, "accumulate_on": "device", "host_state": "fp32"},
+    {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False, "accumulate_on": "host", "host_state": "fp32"},
 ]
 WARM_UPS = ({}, {"full_warm_up_rounds": 3})
 MODES = [{**BASE, "accumulate_on": mode, **warm} for warm in WARM_UPS for mode in ("device", "host")]
@@ -231,11 +231,11 @@ def test_preflight_counts_every_rank_on_the_machine() -> None:
     from lightning_zenflow.engine.preflight import HostResourceError, MachineResources, check_host_resources
 
     layout = build_layout([{"params": [torch.nn.Parameter(torch.zeros(1024, 1024))]}])
-    need = 20 * 1024 * 1024
+    need = 6 * 1024 * 1024  # the default format: bf16 moments and window row
     machine = MachineResources(
         shm_free_bytes=3 * need,
         shm_total_bytes=4 * need,
-        ram_available_bytes=8 * need,
+        ram_available_bytes=64 * need,  # shared memory decides here
         ram_source="MemAvailable",
         memlock_soft_bytes=None,
         memlock_hard_bytes=None,

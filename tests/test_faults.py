@@ -32,7 +32,7 @@ from lightning_zenflow import ZenFlowStrategy
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine import preflight as preflight_module
-from lightning_zenflow.engine.layout import HOST_ROWS, allocate_host_buffers, build_layout
+from lightning_zenflow.engine.layout import HostFormat, allocate_host_buffers, build_layout
 from lightning_zenflow.engine.preflight import HostResourceError, MachineResources, check_host_resources
 from lightning_zenflow.strategies.base import CheckpointError
 
@@ -66,8 +66,8 @@ def _status_bytes(key: str) -> int:
 
 # --------------------------------------------------------------------------------------------- preflight
 def _wide_engine(**knobs: Any) -> ZenFlowEngine:
-    """A 2048 x 2048 matrix: 80 MiB of host state (20 B per element)."""
-    layer = nn.Linear(2048, 2048)
+    """A 4096 x 4096 matrix: 96 MiB of host state (6 B per element: bf16 moments and window row)."""
+    layer = nn.Linear(4096, 4096)
     return ZenFlowEngine(torch.optim.AdamW(layer.parameters()), ZenFlowConfig(**{"full_warm_up_rounds": 0, **knobs}))
 
 
@@ -90,7 +90,8 @@ def test_a_small_dev_shm_fails_before_anything_is_allocated(monkeypatch: pytest.
     with pytest.raises(HostResourceError) as raised:
         engine.start()
     message = str(raised.value)
-    assert "80.0 MiB of shared memory" in message  # what it needs
+    assert "96.0 MiB of shared memory" in message  # what it needs
+    assert "x 6 B" in message  # per element of the host format
     assert "only 64.0 MiB free" in message  # what the machine has
     assert "--shm-size=2g" in message
     assert "/dev/shm" in message
@@ -108,7 +109,7 @@ def test_shared_memory_and_ram_shortfalls_are_one_message(monkeypatch: pytest.Mo
     assert "only 10.0 MiB free" in message
     assert "only 50.0 MiB is available (the container's limit)" in message
     needed_ram = float(message.split(" of RAM")[0].split("need ")[-1].split()[0])
-    assert 80 < needed_ram < 80 + 2 * 64 + 16 + 1, "RAM need: the host state plus the worker's fixed buffers"
+    assert 96 < needed_ram < 96 + 2 * 64 + 16 + 1, "RAM need: the host state plus the worker's fixed buffers"
     monkeypatch.setenv(preflight_module.SKIP_ENV, "1")  # the escape hatch the message names
     assert preflight_module.SKIP_ENV in message
     check_host_resources(_wide_engine().layout, torch.device("cpu"))
@@ -120,13 +121,13 @@ def test_pinning_limit_is_raised_to_the_hard_limit_or_warned_about(monkeypatch: 
     monkeypatch.setattr(preflight_module.resource, "setrlimit", lambda which, limits: calls.append(limits))
     layout = _wide_engine().layout
     cuda = torch.device("cuda")
-    pinned = HOST_ROWS * 4 * 2048 * 2048
+    pinned = 2 * 4096 * 4096  # the bf16 window row: the moments are never copied asynchronously
     # a soft limit below the need, an unlimited hard one: raised quietly
     check_host_resources(layout, cuda, _machine(memlock_soft_bytes=64 * 1024, memlock_hard_bytes=None))
     assert calls == [(pinned, preflight_module.resource.RLIM_INFINITY)]
     # the hard limit is below the need too: raised as far as allowed, and a warning with both figures and the fix
     calls.clear()
-    with pytest.warns(UserWarning, match=r"page-locks 80\.0 MiB.*ulimit -l\) is 8\.0 MiB.*ulimit -l unlimited"):
+    with pytest.warns(UserWarning, match=r"page-locks 32\.0 MiB.*ulimit -l\) is 8\.0 MiB.*ulimit -l unlimited"):
         check_host_resources(layout, cuda, _machine(memlock_soft_bytes=64 * 1024, memlock_hard_bytes=8 * MiB))
     assert calls == [(8 * MiB, 8 * MiB)]
     # the CPU pins nothing
@@ -147,7 +148,7 @@ def test_a_real_64_mib_dev_shm(tmp_path: pathlib.Path) -> None:
             import torch
             from lightning_zenflow.config import ZenFlowConfig
             from lightning_zenflow.engine import ZenFlowEngine
-            layer = torch.nn.Linear(2048, 2048)
+            layer = torch.nn.Linear(4096, 4096)
             for skip in ("", "1"):  # with the check, then without it
                 os.environ["{preflight_module.SKIP_ENV}"] = skip
                 try:
@@ -164,18 +165,19 @@ def test_a_real_64_mib_dev_shm(tmp_path: pathlib.Path) -> None:
     checked, unchecked = result.stdout.strip().splitlines()
     # with the check: the figures and the fix, before torch tries
     assert checked.startswith("HostResourceError ZenFlow cannot start"), checked
-    assert "80.0 MiB of shared memory" in checked
+    assert "96.0 MiB of shared memory" in checked
     assert "64.0 MiB free of 64.0 MiB" in checked
     # without it, torch's own failure still comes out as one clear error (never a half-built engine)
-    assert unchecked.startswith("HostResourceError ZenFlow could not allocate 80.0 MiB"), unchecked
+    assert unchecked.startswith("HostResourceError ZenFlow could not allocate 64.0 MiB"), unchecked
     assert "No space left on device" in unchecked
     assert "--shm-size" in unchecked
 
 
 # ----------------------------------------------------------------------------------- built in place, once
 def test_host_state_is_built_in_shared_memory_without_a_private_copy() -> None:
-    """The peak resident memory of building an 80 MiB host block stays well under the block's size (only the master
-    row is written); ``torch.zeros(...).share_memory_()``, measured the same way, doubles it."""
+    """The peak resident memory of building a 48 MiB host state (the exact state with a master: fp32 moments and
+    master) stays well under its size (only the master row is written); ``torch.zeros(...).share_memory_()``,
+    measured the same way, doubles it."""
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")  # resets VmHWM, the peak resident set, to the current one
@@ -183,7 +185,8 @@ def test_host_state_is_built_in_shared_memory_without_a_private_copy() -> None:
         pytest.skip("needs /proc/self/clear_refs to reset the peak resident set")
     weight = nn.Parameter(torch.randn(2048, 2048))
     layout = build_layout([{"params": [weight]}], {id(weight): "weight"})
-    block_bytes = HOST_ROWS * 4 * weight.numel()
+    host_format = HostFormat.resolve("fp32", master=True, accumulate_on="device")
+    block_bytes = host_format.state_bytes * weight.numel()
 
     def peak_growth(build) -> tuple[int, Any]:
         with open("/proc/self/clear_refs", "w") as clear_refs:
@@ -192,15 +195,16 @@ def test_host_state_is_built_in_shared_memory_without_a_private_copy() -> None:
         built = build()
         return _status_bytes("VmHWM") - before, built
 
-    growth, (host,) = peak_growth(lambda: allocate_host_buffers(layout))
-    assert host.block_shared.is_shared()
-    assert host.block_shared.nbytes == block_bytes
+    growth, (host,) = peak_growth(lambda: allocate_host_buffers(layout, host_format))
+    rows = (host.master, host.exp_avg, host.exp_avg_sq)
+    assert all(row.is_shared() for row in rows)
+    assert sum(row.nbytes for row in rows) == block_bytes
     assert torch.equal(host.master.view(2048, 2048), weight.detach())
-    assert torch.count_nonzero(host.block_shared[1:]) == 0  # moments and accumulators read as zeros
+    assert torch.count_nonzero(host.exp_avg) == torch.count_nonzero(host.exp_avg_sq) == 0  # read as zeros
     assert growth < 0.5 * block_bytes, f"building the block peaked {growth / MiB:.0f} MiB above where it started"
     del host
     # the control: the old recipe, a private tensor then a shared copy, is seen by the same measurement
-    control, block = peak_growth(lambda: torch.zeros(HOST_ROWS, weight.numel()).share_memory_())
+    control, block = peak_growth(lambda: torch.zeros(3, weight.numel()).share_memory_())
     assert control > 1.8 * block_bytes, f"the control peaked only {control / MiB:.0f} MiB"
     del block
 
@@ -339,13 +343,15 @@ def test_engine_state_that_does_not_fit_is_refused_before_loading(
 
 # ------------------------------------------------------------------------------------- knobs on resume
 COLUMNS = 20
-# the paper's rule (interim_step=0): these check the host masters it keeps (tests/test_interim.py: the interim moves)
+# the paper's rule (interim_step=0) in the exact state: these check that moving state between the sides loses nothing
+# (tests/test_interim.py: the interim moves; in the compact state a column leaving the device rounds its moments)
 BASE = {
     "update_interval": 4,
     "select_strategy": "step",
     "select_interval": 100,
     "accumulate_on": "device",
     "interim_step": 0,
+    "host_state": "fp32",
 }
 
 
@@ -421,8 +427,16 @@ def test_a_larger_topk_ratio_and_a_new_update_interval_take_effect_at_once(mid_w
         state = _weight_state(engine)
         assert state["selected"].numel() == num_selected_columns(COLUMNS, 0.75) == 15
         assert torch.isin(saved["selected"], state["selected"]).all(), "a larger k keeps every saved column"
-        for key in ("master", "exp_avg", "exp_avg_sq"):
+        for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(state[key], saved[key]), key
+        # the columns entering the device take the step in flight into their masters at once (the weights are the
+        # masters of host columns: the step would have landed on them); every other master is as saved
+        scale = mid_window_state["progress"]["pending"]["scales"][0][0]
+        entering = ~torch.isin(state["selected"], saved["selected"])
+        columns = state["selected"][entering]
+        expected = saved["master"].clone()
+        expected[:, columns] = saved["master"][:, columns] * scale + saved["step"][:, columns]
+        torch.testing.assert_close(state["master"], expected, rtol=0, atol=1e-7)
         # S = 2 now: the window open at the save (2 steps) closes at the next step, then every 2 steps
         stats = [_random_step(layer, engine, generator) for _ in range(5)]
         assert [s.window_end for s in stats] == [True, False, True, False, True]
@@ -440,7 +454,15 @@ def test_topk_ratio_one_takes_the_pending_update_into_the_device_masters(mid_win
         assert engine.schedule.pending is None, "nothing is left on the host to land"
         state = _weight_state(engine)
         assert torch.equal(state["selected"], torch.arange(COLUMNS))
-        assert torch.equal(state["master"], mid_window_state["params"]["weight"]["master"])
+        # the step in flight landed at the load on the saved host columns (the weights are their masters), as it
+        # would have at its landing; the saved device columns are as they were
+        saved = mid_window_state["params"]["weight"]
+        scale = mid_window_state["progress"]["pending"]["scales"][0][0]
+        landed = saved["master"] * scale + saved["step"]
+        was_device = torch.zeros(COLUMNS, dtype=torch.bool)
+        was_device[saved["selected"]] = True
+        expected = torch.where(was_device, saved["master"], landed)
+        torch.testing.assert_close(state["master"], expected, rtol=0, atol=1e-7)
         for _ in range(3):
             _random_step(layer, engine, generator)
         engine.flush()
@@ -536,7 +558,7 @@ from torch import nn
 from lightning_helpers import TinyModule, make_trainer
 from lightning_zenflow import ZenFlowStrategy
 
-class Wide(TinyModule):  # 1.1 M matrix elements: 20 MiB of host state in shared memory
+class Wide(TinyModule):  # 1.1 M matrix elements: 6.3 MiB of host state in shared memory (6 B per element)
     def __init__(self):
         super().__init__(samples=100000)
         self.net = nn.Sequential(nn.Linear(8, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 4))
@@ -551,7 +573,8 @@ trainer = make_trainer(strategy, root_dir=sys.argv[1], max_epochs=1000, enable_c
                        callbacks=[Announce(), OnExceptionCheckpoint(sys.argv[1])])
 trainer.fit(Wide())
 """
-HOST_STATE_BYTES = 20 * (1024 * 1024 + 8 * 1024 + 1024 * 4)
+HOST_STATE_BYTES = 6 * (1024 * 1024 + 8 * 1024 + 1024 * 4)
+"""The compact state's bf16 moments and window row, 6 B per matrix element."""
 
 
 def _descendants(pid: int) -> set[int]:

@@ -17,12 +17,14 @@ import weakref
 import pytest
 import torch
 import worker_fakes
+from reference import RefHyperParams, compact_update, unit
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import HostWorkerError, ZenFlowEngine, choose_update_interval, spares
 from lightning_zenflow.engine import schedule as schedule_module
 from lightning_zenflow.engine.device import HyperParams
-from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerSpec, host_adam_update
+from lightning_zenflow.engine.host import GroupJob, HostWorker, MatrixExtent, WorkerGroup, WorkerSpec, host_adam_update
+from lightning_zenflow.engine.host_step import COLUMN_SALT
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
@@ -67,17 +69,24 @@ def _step_until_error(layer: torch.nn.Linear, engine: ZenFlowEngine, budget_s: f
 
 
 # ----------------------------------------------------------------------------------------- host_adam_update
+def _group(numel: int, moments: torch.dtype, window: torch.dtype, master: bool) -> WorkerGroup:
+    return WorkerGroup(
+        exp_avg=torch.zeros(numel, dtype=moments),
+        exp_avg_sq=torch.zeros(numel, dtype=moments),
+        steps=torch.zeros(2),
+        master=torch.zeros(numel) if master else None,
+        windows=(torch.zeros(numel, dtype=window),),
+    )
+
+
 @pytest.mark.parametrize(
-    ("optimizer_class", "options", "exact"),
-    [
-        (torch.optim.AdamW, {"fused": True}, True),
-        (torch.optim.Adam, {"fused": True}, True),
-        (torch.optim.AdamW, {"foreach": True}, False),
-        (torch.optim.Adam, {}, False),
-    ],
+    ("optimizer_class", "options"),
+    [(torch.optim.AdamW, {"fused": True}), (torch.optim.Adam, {"fused": True}), (torch.optim.AdamW, {})],
 )
-def test_host_adam_update_equals_torch_on_the_window_mean(optimizer_class, options, exact):
-    """Two matrices with different window counts (3 and 2 gradients), three windows alternating accumulators."""
+def test_host_adam_update_with_masters_equals_torch_on_the_window_mean(optimizer_class, options):
+    """The exact state with host masters: two matrices with different window counts (3 and 2 gradients), three
+    windows; masters and moments equal torch's (to float rounding: the worker's step is its own fused loop), and the
+    new weights are staged in the window row in the model's dtype."""
     torch.manual_seed(0)
     shapes, counts, model_dtypes = [(4, 6), (3, 5)], (3, 2), (torch.bfloat16, torch.float16)
     decoupled = optimizer_class is torch.optim.AdamW
@@ -86,71 +95,95 @@ def test_host_adam_update_equals_torch_on_the_window_mean(optimizer_class, optio
     optimizer = optimizer_class(reference, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, **options)
     extents, offset = [], 0
     for param, dtype in zip(reference, model_dtypes):
-        extents.append(MatrixExtent(offset=offset, numel=param.numel(), dtype=dtype))
+        extents.append(MatrixExtent(offset, param.numel(), dtype, param.shape[1], 0, salt=7 + offset))
         offset += param.numel()
-    block = torch.zeros(5, offset)
-    steps = torch.zeros(len(shapes))
+    group = _group(offset, torch.float32, torch.float32, master=True)
     for param, extent in zip(reference, extents):
-        block[0, extent.offset : extent.offset + extent.numel] = param.detach().flatten()
-    # the accumulator holds the plain sum here (as with S = 1): the divisor of the mean is the count
+        group.master[extent.offset : extent.offset + extent.numel] = param.detach().flatten()
     job = GroupJob(hparams=hparams, active=(0, 1), mean_divisors=tuple(float(c) for c in counts))
-
+    window_row = group.windows[0]
     for window in range(3):
-        slot = window % 2
-        block[3 + slot].zero_()
         for param, extent, count in zip(reference, extents, counts):
-            gradients = [torch.randn(param.shape) for _ in range(count)]
-            accumulated = torch.zeros(param.shape)
-            for gradient in gradients:
-                accumulated += gradient
-            block[3 + slot, extent.offset : extent.offset + extent.numel] = accumulated.flatten()
+            accumulated = sum(torch.randn(param.shape) for _ in range(count))
+            window_row[extent.offset : extent.offset + extent.numel] = accumulated.flatten()
             param.grad = accumulated / count  # the window's mean
         optimizer.step()
-        host_adam_update(block, steps, extents, slot, job)
-
+        host_adam_update(group, extents, window, job)
         for index, (param, extent) in enumerate(zip(reference, extents)):
             region = slice(extent.offset, extent.offset + extent.numel)
             state = optimizer.state[param]
-            host = {
-                "master": block[0, region].view(param.shape),
-                "exp_avg": block[1, region].view(param.shape),
-                "exp_avg_sq": block[2, region].view(param.shape),
-            }
-            expected = {"master": param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-            for key in host:
-                if exact:
-                    assert torch.equal(host[key], expected[key]), f"window {window}, matrix {index}: {key}"
-                else:
-                    torch.testing.assert_close(host[key], expected[key], rtol=1e-6, atol=1e-7)
-            assert steps[index].item() == window + 1
-            # the new weights, cast to the model dtype, are staged in the bytes of the consumed accumulator
-            staged_bytes = block[3 + slot, region].view(torch.uint8)[: extent.numel * extent.dtype.itemsize]
+            for key, host, expected in (
+                ("master", group.master, param.detach()),
+                ("exp_avg", group.exp_avg, state["exp_avg"]),
+                ("exp_avg_sq", group.exp_avg_sq, state["exp_avg_sq"]),
+            ):
+                torch.testing.assert_close(host[region].view(param.shape), expected, rtol=1e-6, atol=1e-7, msg=key)
+            assert group.steps[index].item() == window + 1
+            staged_bytes = window_row[region].view(torch.uint8)[: extent.numel * extent.dtype.itemsize]
             staged = staged_bytes.view(extent.dtype).view(param.shape)
-            assert torch.equal(staged, param.detach().to(extent.dtype))
-        # the other accumulator is never read or written by this update
-        if window > 0:
-            assert torch.count_nonzero(block[3 + (slot ^ 1)]) > 0
+            assert torch.equal(staged, group.master[region].view(param.shape).to(extent.dtype))
+
+
+@pytest.mark.parametrize("host_state", ["fp32", "bf16"])
+def test_host_adam_update_without_masters_writes_the_step(host_state):
+    """The weights are the masters: the window row gets AdamW's step without decay (the device decays when it lands),
+    fp32 or, in the compact state, rounded to nearest into the bf16 row; the compact moments are the reference's
+    (``tests/reference.py``: the first rounded to nearest, the second stochastically), bit for bit."""
+    torch.manual_seed(1)
+    compact = host_state == "bf16"
+    dtype = torch.bfloat16 if compact else torch.float32
+    rows, cols, count = 4, 6, 3
+    hparams = HyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+    ref_hp = RefHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+    extent = MatrixExtent(0, rows * cols, torch.float32, cols, 0, salt=12345, row_start=2)
+    group = _group(rows * cols, dtype, dtype, master=False)
+    row_u = torch.tensor([unit(12345, 2 + i) for i in range(rows)], dtype=torch.float32)
+    col_u = torch.tensor([unit(12345 ^ COLUMN_SALT, j) for j in range(cols)], dtype=torch.float32)
+    m = torch.zeros(rows, cols)
+    v = torch.zeros(rows, cols)
+    weights = torch.randn(rows, cols)
+    torch_weights = torch.nn.Parameter(weights.clone())
+    torch_opt = torch.optim.AdamW([torch_weights], lr=1e-2, weight_decay=0.0)
+    for window in range(1, 4):
+        sums = sum(torch.randn(rows, cols) for _ in range(count)).to(dtype)
+        group.windows[0].copy_(sums.flatten())
+        job = GroupJob(hparams=hparams, active=(0,), mean_divisors=(float(count),))
+        host_adam_update(group, [extent], 0, job)
+        step = group.windows[0].view(rows, cols).float()
+        if compact:
+            m, v, expected = compact_update(sums, m, v, ref_hp, window, count, (row_u, col_u, 12345), None, True)
+            assert torch.equal(step, expected.to(torch.bfloat16).float())
+            assert torch.equal(group.exp_avg.view(rows, cols).float(), m)
+            assert torch.equal(group.exp_avg_sq.view(rows, cols).float(), v)
+        else:
+            before = torch_weights.detach().clone()
+            torch_weights.grad = sums.float() / count
+            torch_opt.step()
+            # the delta of weights near 1 carries their rounding (1e-7): atol covers it
+            torch.testing.assert_close(step, torch_weights.detach() - before, rtol=1e-5, atol=1e-6)
+        assert group.steps[0].item() == window
 
 
 def test_host_adam_update_leaves_inactive_matrices_alone():
     torch.manual_seed(0)
-    extents = [MatrixExtent(0, 6, torch.float32), MatrixExtent(6, 4, torch.float32)]
-    block = torch.randn(5, 10)
-    block[2] = block[2].abs()  # exp_avg_sq is never negative
-    steps = torch.tensor([2.0, 5.0])
-    before = block.clone()
+    extents = [MatrixExtent(0, 6, torch.float32, 3), MatrixExtent(6, 4, torch.float32, 2)]
+    group = _group(10, torch.float32, torch.float32, master=False)
+    for row in (group.exp_avg, group.windows[0]):
+        row.copy_(torch.randn(10))
+    group.exp_avg_sq.copy_(torch.rand(10))  # never negative
+    group.steps.copy_(torch.tensor([2.0, 5.0]))
+    before = [row.clone() for row in (group.exp_avg, group.exp_avg_sq, group.windows[0])]
     hparams = HyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
-    host_adam_update(block, steps, extents, 0, GroupJob(hparams=hparams, active=(0,), mean_divisors=(1.0,)))
-    assert steps.tolist() == [3.0, 5.0]
-    assert torch.equal(block[:, 6:], before[:, 6:])  # master, moments and both accumulators of matrix 1
-    assert not torch.equal(block[0, :6], before[0, :6])
-    # fp32 model dtype: no staging pass (the upload reads the master), and divisor 1 leaves the accumulator alone
-    assert torch.equal(block[3, :6], before[3, :6])
+    host_adam_update(group, extents, 0, GroupJob(hparams=hparams, active=(0,), mean_divisors=(1.0,)))
+    assert group.steps.tolist() == [3.0, 5.0]
+    for row, saved in zip((group.exp_avg, group.exp_avg_sq, group.windows[0]), before):
+        assert torch.equal(row[6:], saved[6:])  # matrix 1 untouched
+        assert not torch.equal(row[:6], saved[:6])  # matrix 0 updated; its window row now holds the step
     # a job with no active matrix is a no-op
-    after = block.clone()
-    host_adam_update(block, steps, extents, 1, GroupJob(hparams=hparams, active=(), mean_divisors=()))
-    assert torch.equal(block, after)
-    assert steps.tolist() == [3.0, 5.0]
+    after = [row.clone() for row in (group.exp_avg, group.exp_avg_sq, group.windows[0])]
+    host_adam_update(group, extents, 0, GroupJob(hparams=hparams, active=(), mean_divisors=()))
+    assert all(torch.equal(r, a) for r, a in zip((group.exp_avg, group.exp_avg_sq, group.windows[0]), after))
+    assert group.steps.tolist() == [3.0, 5.0]
 
 
 # ------------------------------------------------------------------------------------------- failure modes
@@ -312,7 +345,7 @@ def test_context_manager_exception_leaves_no_process():
     with pytest.raises(ValueError, match="user code failed"), ZenFlowEngine(optimizer, config) as engine:  # noqa: PT012
         pid = engine.worker_pid
         assert pid is not None
-        assert engine.host_buffers[0].block_shared.is_shared()
+        assert engine.host_buffers[0].exp_avg.is_shared()
         _step(layer, engine)
         raise ValueError("user code failed")
     _assert_no_worker_left(pid)
@@ -359,7 +392,7 @@ def test_close_unmaps_the_shared_host_blocks():
     # topk_ratio=1 still allocates the host blocks but starts no worker: this test spawns nothing
     mapped_before = _shared_mappings()
     engine = ZenFlowEngine(optimizer, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=1.0)).start()
-    block_ref = weakref.ref(engine.host_buffers[0].block_shared)
+    block_ref = weakref.ref(engine.host_buffers[0].exp_avg)
     ours = _shared_mappings() - mapped_before
     assert ours, "the host blocks should be mapped from /dev/shm while the engine runs"
     engine.close()
@@ -485,9 +518,10 @@ def test_bind_cores_pins_both_sides_and_close_restores():
 
 # ------------------------------------------------------------------------------------ protocol error paths
 def _spec() -> WorkerSpec:
+    rows = [torch.zeros(4).share_memory_() for _ in range(3)]
+    group = WorkerGroup(rows[0], rows[1], torch.zeros(1).share_memory_(), None, (rows[2],))
     return WorkerSpec(
-        blocks=(torch.zeros(5, 4).share_memory_(),),
-        steps=(torch.zeros(1).share_memory_(),),
+        groups=(group,),
         extents=((MatrixExtent(0, 4, torch.float32, 4, 0),),),
         heartbeat=torch.zeros(1, dtype=torch.float64).share_memory_(),
         threads=1,

@@ -8,9 +8,9 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine.layout import (
-    HOST_BYTES_PER_ELEMENT,
-    HOST_ROWS,
+    HostFormat,
     allocate_host_buffers,
+    allocate_window_rows,
     build_layout,
     staging_view,
 )
@@ -61,7 +61,7 @@ def test_conv_weight_columns_are_flattened_input_positions():
     torch.manual_seed(0)
     model = Mixed()
     (group,) = build_layout([{"params": list(model.parameters())}], _names(model))
-    (host,) = allocate_host_buffers([group])
+    (host,) = allocate_host_buffers([group], HostFormat.resolve("fp32", master=True, accumulate_on="device"))
     conv_slot = group.matrices[1]
     conv2d = conv_slot.view2d(host.master)
     weight = model.conv.weight.detach()
@@ -134,28 +134,47 @@ def test_non_tensor_in_param_group_is_a_type_error():
 
 
 # ------------------------------------------------------------------------------------------------ host buffers
-def test_allocate_host_buffers_shared_and_filled_with_the_weights():
+@pytest.mark.parametrize(
+    ("host_state", "master", "accumulate_on", "moments", "window", "per_element"),
+    [
+        ("bf16", False, "device", torch.bfloat16, torch.bfloat16, 6),
+        ("bf16", True, "device", torch.bfloat16, torch.bfloat16, 10),
+        ("fp32", False, "device", torch.float32, torch.float32, 12),
+        ("fp32", True, "device", torch.float32, torch.float32, 16),
+        ("bf16", False, "host", torch.bfloat16, torch.float32, 12),
+        ("fp32", True, "host", torch.float32, torch.float32, 20),
+    ],
+)
+def test_allocate_host_buffers_in_each_format(host_state, master, accumulate_on, moments, window, per_element):
     torch.manual_seed(0)
     bf16_weight = torch.nn.Parameter(torch.randn(3, 5).to(torch.bfloat16))
     model = Mixed()
     groups = [{"params": list(model.parameters())}, {"params": [bf16_weight]}]
     layout = build_layout(groups, _names(model))
-    buffers = allocate_host_buffers(layout)
+    host_format = HostFormat.resolve(host_state, master=master, accumulate_on=accumulate_on)
+    assert host_format.bytes_per_element == per_element
+    buffers = allocate_host_buffers(layout, host_format)
+    allocate_window_rows(layout, buffers, host_format)
     assert len(buffers) == 2
     for group, host in zip(layout, buffers):
-        assert host.block_shared.is_shared()
+        rows = [host.exp_avg, host.exp_avg_sq, *host.windows] + ([host.master] if master else [])
+        assert all(row.is_shared() and row.shape == (group.host_numel,) for row in rows)
+        assert (host.exp_avg.dtype, host.exp_avg_sq.dtype) == (moments, moments)
+        assert {row.dtype for row in host.windows} == {window}
+        assert len(host.windows) == (2 if accumulate_on == "host" else 1)
+        assert (host.master is not None) == master
+        assert host.nbytes == per_element * group.host_numel + 4 * len(group.matrices)
         assert host.step_shared.is_shared()
-        assert host.block_shared.dtype == torch.float32
-        assert host.block_shared.shape == (HOST_ROWS, group.host_numel)
-        assert host.block_shared.nbytes == HOST_BYTES_PER_ELEMENT * group.host_numel
         assert host.step_shared.shape == (len(group.matrices),)
         assert torch.count_nonzero(host.step_shared) == 0
         for slot in group.matrices:
-            assert torch.equal(slot.view2d(host.master), slot.param.detach().float().reshape(slot.rows, slot.cols))
-        # moments and both accumulators start at zero
-        for row in (host.exp_avg, host.exp_avg_sq, host.grad_acc(0), host.grad_acc(1)):
+            if master:
+                assert torch.equal(slot.view2d(host.master), slot.param.detach().float().reshape(slot.rows, slot.cols))
+        # moments and window rows start at zero
+        for row in (host.exp_avg, host.exp_avg_sq, *host.windows):
             assert torch.count_nonzero(row) == 0
-    assert HOST_BYTES_PER_ELEMENT == 20
+        # one window row serves both slots in device mode; host mode alternates two
+        assert (host.grad_acc(0) is host.grad_acc(1)) == (accumulate_on == "device")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -163,7 +182,9 @@ def test_staging_view_round_trip(dtype):
     first = torch.nn.Parameter(torch.randn(4, 6))
     second = torch.nn.Parameter(torch.randn(3, 5))
     layout = build_layout([{"params": [first, second]}])
-    (host,) = allocate_host_buffers(layout)
+    host_format = HostFormat.resolve("fp32", master=True, accumulate_on="host")
+    (host,) = allocate_host_buffers(layout, host_format)
+    allocate_window_rows(layout, [host], host_format)
     slot_first, slot_second = layout[0].matrices
     accumulator = host.grad_acc(1)
     values = torch.randn(3, 5) * 100
@@ -180,12 +201,14 @@ def test_staging_view_round_trip(dtype):
     assert torch.equal(slot_second.view2d(host.master), second.detach())
 
 
-@pytest.mark.parametrize("accumulate_on", ["device", "host"])
-def test_host_and_device_bytes_per_matrix_parameter_for_a_one_million_parameter_model(accumulate_on):
+@pytest.mark.parametrize(("accumulate_on", "host_state"), [("device", "bf16"), ("device", "fp32"), ("host", "bf16")])
+def test_host_and_device_bytes_per_matrix_parameter_for_a_one_million_parameter_model(accumulate_on, host_state):
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.1, update_interval=2, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(
+        full_warm_up_rounds=0, topk_ratio=0.1, update_interval=2, accumulate_on=accumulate_on, host_state=host_state
+    )
     n_matrix = model.weight.numel()
     with ZenFlowEngine(optimizer, config, param_names={p: n for n, p in model.named_parameters()}) as engine:
         stats = []
@@ -195,20 +218,26 @@ def test_host_and_device_bytes_per_matrix_parameter_for_a_one_million_parameter_
             stats.append(engine.step())
         host_bytes = engine.host_bytes()
         device_bytes = engine.device_bytes()
-    # host: 20 B per matrix element (master, two moments, two accumulators), the matrix's 1024 host-bound column
-    # indices for the worker (8 B each) and one fp32 step count; host mode adds its two pinned staging slots,
-    # each no larger than the largest gradient (4 MiB here), and the helper's 4 MiB fp32 conversion buffer
-    staging = 2 * n_matrix * 4 + 4 * (1 << 20) if accumulate_on == "host" else 0  # + the fp32 conversion buffer
-    assert host_bytes == HOST_BYTES_PER_ELEMENT * n_matrix + 8 * 1024 + 4 + staging
+    # host, per matrix element: the two moments (bf16: 2 + 2, fp32: 4 + 4) and the window rows (device mode: one,
+    # bf16 or fp32; host mode: two fp32 rows); no master (the fp32 weights are the masters). Then the matrix's 1024
+    # host-bound column indices for the worker (8 B each) and one fp32 step count; host mode adds its two pinned
+    # staging slots, each no larger than the largest gradient (4 MiB here), and the helper's 4 MiB conversion buffer
+    moments = 4 if host_state == "bf16" else 8
+    windows = {"device": 2 if host_state == "bf16" else 4, "host": 8}[accumulate_on]
+    staging = 2 * n_matrix * 4 + 4 * (1 << 20) if accumulate_on == "host" else 0
+    assert host_bytes == (moments + windows) * n_matrix + 8 * 1024 + 4 + staging
     assert all(s.host_bytes == host_bytes for s in stats)
     # device: rho x 16 B per matrix element (fp32 master, two moments and a reused gradient buffer of the k
-    # selected columns), the column indices, the bias's two moments; then per mode: an fp32
-    # accumulator and an fp32 upload buffer of the whole matrix (device), or the two staging slots (host)
+    # selected columns), the column indices, the bias's two moments; then per mode: the window's accumulator (bf16 or
+    # fp32; no upload buffer: the landing streams from the host, through no device buffer on a CPU), or the two
+    # staging slots (host)
     k = num_selected_columns(1024, 0.1)
     assert k == 103
     selected_state = 16 * 1024 * k + 8 * 1024
     bias_state = 2 * 4 * 1024  # its two moments; the fp32 bias is its own master
-    mode_bytes = 8 * n_matrix if accumulate_on == "device" else 2 * 4 * n_matrix
+    # the compact accumulator's rounding draws from 4 B per row and per column of the matrix
+    tables = 4 * (1024 + 1024) if (accumulate_on, host_state) == ("device", "bf16") else 0
+    mode_bytes = windows * n_matrix + tables if accumulate_on == "device" else 2 * 4 * n_matrix
     assert device_bytes == selected_state + bias_state + mode_bytes
     assert all(s.device_bytes == device_bytes for s in stats)
 
@@ -367,6 +396,8 @@ def test_cuda_host_block_is_shared_and_pinned_in_place():
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
     with ZenFlowEngine(optimizer, ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=1)) as engine:
         (host,) = engine.host_buffers
-        assert host.block_shared.is_shared()
-        assert host.block_shared.is_pinned()  # registered in place, not copied out of shared memory
-        assert torch.equal(host.master[: layer.weight.numel()].view(8, 16), layer.weight.detach().cpu())
+        assert host.exp_avg.is_shared()
+        assert host.windows[0].is_shared()
+        assert host.windows[0].is_pinned()  # registered in place, not copied out of shared memory
+        assert not host.exp_avg.is_pinned()  # never copied asynchronously
+        assert host.master is None  # the fp32 weights are the masters

@@ -180,12 +180,14 @@ class _CaptureRestoredState(Callback):
         self.state = copy.deepcopy(state)
 
 
-def _assert_same_moments(restored: dict[str, Any], saved: dict[str, Any]) -> None:
+def _assert_same_moments(restored: dict[str, Any], saved: dict[str, Any], host_bf16: bool = False) -> None:
+    """``host_bf16``: the moments went into the compact host state (rounded to bf16 to nearest)."""
     assert sorted(restored["state"]) == sorted(saved["state"])
     for index, entry in saved["state"].items():
         assert float(restored["state"][index]["step"]) == float(entry["step"])
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(restored["state"][index][key], entry[key]), (index, key)
+            expected = entry[key].to(torch.bfloat16).float() if host_bf16 and entry[key].dim() >= 2 else entry[key]
+            assert torch.equal(restored["state"][index][key], expected), (index, key)
     assert restored["param_groups"][0]["lr"] == saved["param_groups"][0]["lr"]
 
 
@@ -201,7 +203,8 @@ def test_plain_checkpoint_resumes_under_zenflow(plain_run: Run, tmp_path: pathli
     capture = _CaptureRestoredState()
     resumed = _run(ALIGNED, {"scheduler": "step"}, tmp_path, ckpt_path=plain_run.checkpoints[1], callbacks=[capture])
     assert resumed.trainer.global_step == 32
-    _assert_same_moments(capture.state, _load(plain_run.checkpoints[1])["optimizer_states"][0])
+    # the default compact state holds the matrices' moments in bf16 on the host: rounded to nearest as they load
+    _assert_same_moments(capture.state, _load(plain_run.checkpoints[1])["optimizer_states"][0], host_bf16=True)
     assert resumed.module.train_losses[-1] < resumed.module.train_losses[0]
 
 

@@ -54,7 +54,7 @@ SHARDED = {"strategy": {**KNOBS, "checkpoint_format": "sharded"}, "checkpoint_ev
 def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
     fits = Fits(tmp_path_factory.mktemp("fsdp_fits"))
     saved = {name: fits.dir(**_options(2, **run)) for name, run in (("full", CHECKPOINTED), ("sharded", SHARDED))}
-    s1 = {**KNOBS, "update_interval": 1, "overlap_step": False}
+    s1 = {**KNOBS, "update_interval": 1, "overlap_step": False, "host_state": "fp32"}
     fits.plan(  # one launch per number of ranks: 2 first (the others resume its checkpoints), then 1 and 3
         *(_options(2, strategy=knobs) for knobs in ({"topk_ratio": 1.0}, s1, "adamw")),
         *(_options(2, strategy=knobs, gradient_clip_val=0.05) for knobs in (s1, "adamw")),
@@ -73,7 +73,9 @@ def fits(tmp_path_factory: pytest.TempPathFactory) -> Fits:
 
 
 @pytest.mark.parametrize(
-    "exact", [{"topk_ratio": 1.0}, {**KNOBS, "update_interval": 1, "overlap_step": False}], ids=["all_columns", "S1"]
+    "exact",
+    [{"topk_ratio": 1.0}, {**KNOBS, "update_interval": 1, "overlap_step": False, "host_state": "fp32"}],
+    ids=["all_columns", "S1"],
 )
 def test_exact_settings_equal_model_parallel_adamw(fits: Fits, exact: dict) -> None:
     _, zenflow = fits.get(2, strategy=exact)
@@ -87,7 +89,7 @@ def test_exact_settings_equal_model_parallel_adamw(fits: Fits, exact: dict) -> N
 
 def test_clipping_by_norm_takes_the_global_norm_of_the_shards(fits: Fits) -> None:
     # a threshold every step's gradient norm exceeds: a norm over one rank's shard only would clip differently
-    exact = {**KNOBS, "update_interval": 1, "overlap_step": False}
+    exact = {**KNOBS, "update_interval": 1, "overlap_step": False, "host_state": "fp32"}
     _, zenflow = fits.get(2, strategy=exact, gradient_clip_val=0.05)
     _, adamw = fits.get(2, strategy="adamw", gradient_clip_val=0.05)
     _, unclipped = fits.get(2, strategy="adamw")
@@ -123,11 +125,12 @@ def test_device_and_host_bytes_per_rank_fall_as_one_over_w(fits: Fits) -> None:
             for kind in ("weights", "gradients"):  # the row blocks split evenly: exactly 1/W
                 assert result["device_bytes"][kind] * world == whole["device_bytes"][kind], (world, kind)
     # ZenFlow's device state and the host state: a part that is split by rows (exactly 1/W here) and a small part
-    # every rank keeps whole (per column: the selected indices, the scores); 1 and 2 ranks fix both, 3 must follow
+    # every rank keeps whole (per column: the selected indices, the scores, the rounding's column numbers: a fifth
+    # of these tiny matrices' state, far less of a real model's); 1 and 2 ranks fix both, 3 must follow
     for kind in ("zenflow", "host"):
         at = {world: _bytes(ranks[0], kind) for world, ranks in by_world.items()}
         kept = 2 * at[2] - at[1]
-        assert 0 <= kept < 0.1 * at[1], (kind, at)
+        assert 0 <= kept < 0.2 * at[1], (kind, at)
         assert at[3] == (at[1] - kept) / 3 + kept, (kind, at)
         assert all(_bytes(result, kind) == at[world] for world, ranks in by_world.items() for result in ranks)
 

@@ -21,7 +21,9 @@ host masters are the weights once everything landed (with interim moves the weig
 
 class _ProbeValidationStart(Callback):
     """At each validation start (a user callback, so Lightning calls it before the strategy's own hook) records
-    whether host work is in flight and whether the model weights equal the engine's fp32 masters."""
+    whether host work is in flight and whether the model weights show every finished host update: the masters, each
+    with its computed step landed where one is in flight (the weights are the masters of the host columns; a host
+    update in flight is a step, landed as ``w * scale + step``)."""
 
     def __init__(self) -> None:
         self.in_flight: list[bool] = []
@@ -32,9 +34,18 @@ class _ProbeValidationStart(Callback):
         engine = trainer.strategy.engine
         self.in_flight.append(engine.host_in_flight)
         # state_dict() waits for the update in flight to finish computing but never applies it
-        masters = engine.state_dict(include_moments=False)["params"]
+        state = engine.state_dict(include_moments=False)
+        pending = state["progress"]["pending"]
+        scales = {}
+        if pending is not None:
+            names = [[slot.name for slot in group.matrices] for group in engine.layout]
+            for group_index, (active, group_scales) in enumerate(zip(pending["active"], pending["scales"])):
+                scales.update({names[group_index][i]: scale for i, scale in zip(active, group_scales)})
+        finished = {}
+        for name, entry in state["params"].items():
+            finished[name] = entry["master"] * scales[name] + entry["step"] if name in scales else entry["master"]
         self.weights_current.append(
-            all(torch.equal(param.detach(), masters[name]["master"]) for name, param in pl_module.named_parameters())
+            all(torch.equal(param.detach(), finished[name]) for name, param in pl_module.named_parameters())
         )
         self.steps.append(trainer.global_step)
 

@@ -200,8 +200,11 @@ def assert_close_up_to_adam_rounding(actual: dict[str, torch.Tensor], expected: 
     differently, by about 1e-9 here (7e-10 measured at the first step). Adam's step, ``lr * m / sqrt(v)``, does not
     scale with the gradient, so an element whose gradient is tiny (about 1e-6, where the contributions of the tokens
     cancel) carries that rounding as a relative error of 1e-3 or more into a step of up to ``lr``. Measured: one
-    element of the model's 28096 off by 2e-5 to 4e-5, every other one within the tight tolerance. A fault of the
-    rule (another selection, a gradient not averaged, a shard updated twice) moves whole columns by about ``lr``."""
+    element of the model's 28096 off by 2e-5 to 4e-5, every other one within the tight tolerance. The compact host
+    state (the default) rounds the window's sum and the second moment to bf16: a value within that rounding of a
+    threshold rounds the other way, one bf16 step of a sum (measured: 32 of 28192 weights, within ``ADAM_ROUNDING``),
+    so at most one in two hundred may differ. A fault of the rule (another selection, a gradient not averaged, a shard
+    updated twice) moves whole columns by about ``lr``."""
     assert actual.keys() == expected.keys()
     loose, total = 0, 0
     for name, value in expected.items():
@@ -209,7 +212,7 @@ def assert_close_up_to_adam_rounding(actual: dict[str, torch.Tensor], expected: 
         assert difference.max().item() <= ADAM_ROUNDING, f"{name} differs by {difference.max().item():.2e}"
         loose += int((difference > 1e-6 + 1e-5 * value.abs()).sum())
         total += value.numel()
-    assert loose <= total // 1000, f"{loose} of {total} weights differ by more than atol 1e-6, rtol 1e-5"
+    assert loose <= total // 200, f"{loose} of {total} weights differ by more than atol 1e-6, rtol 1e-5"
 
 
 def test_a_model_without_blocks_to_shard_is_refused_with_the_fix() -> None:

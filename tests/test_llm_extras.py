@@ -196,6 +196,28 @@ def test_lightning_llm_fit_bf16_true_exports_what_it_validated(
     assert abs(mean_loss(base, batches) - metrics["val_loss"]) > 2e-2  # it trained
 
 
+def test_weights_read_at_setup_onto_the_device_train_as_weights_read_at_construction(
+    tmp_path: pathlib.Path, model_dir: pathlib.Path, text_path: pathlib.Path
+) -> None:
+    """``load_weights="on_device"``: the module holds the model's structure on the meta device (no memory) until
+    setup reads the weights onto the training device (here the CPU, the code a GPU takes); the fit then equals one
+    whose weights were read at construction. ``load_from_checkpoint`` outside a Trainer reads them first."""
+    deferred = CausalLMFineTune(str(model_dir), load_weights="on_device")
+    assert all(param.is_meta for param in deferred.parameters())
+    now = _weights(_fit(tmp_path / "now", model_dir, text_path, load_weights="now"))
+    later = _fit(tmp_path / "later", model_dir, text_path, load_weights="on_device")
+    assert not any(param.is_meta for param in later.parameters())
+    for name, tensor in _weights(later).items():
+        assert torch.equal(tensor, now[name]), name
+    with pytest.raises(ValueError, match=r"load_weights must be one of \['auto', 'now', 'on_device'\]"):
+        CausalLMFineTune(str(model_dir), load_weights="lazy")
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    (empty / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"model_path .* could not be loaded \(no model weights in"):
+        CausalLMFineTune(str(empty), load_weights="on_device")
+
+
 def test_dtype_loads_the_weights_in_bfloat16_and_refuses_others(model_dir: pathlib.Path) -> None:
     module = CausalLMFineTune(str(model_dir), dtype="bfloat16")
     assert {param.dtype for param in module.parameters()} == {torch.bfloat16}

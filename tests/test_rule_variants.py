@@ -51,6 +51,7 @@ def _drive(
             select_strategy="step" if rule.refresh == "sync" else "epoch",
             select_interval=rule.refresh_interval if rule.refresh == "sync" else 1,
             interim_step=0,  # the rule optimizer writes the paper's rule and its variants
+            host_state="fp32",  # in fp32
         )
         reference = ReferenceZenFlow(twin_opt.param_groups, {p: n for n, p in twin.items()}, config)
     generator = torch.Generator().manual_seed(seed + 100)

@@ -38,7 +38,7 @@ from lightning_zenflow.engine.landing import Uploads, landing_ring_bytes
 from lightning_zenflow.engine.lanes import Event, Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, HostFormat, MatrixSlot
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, offset_of, salt_of, unit_table
+from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, offset_of, unit_table
 from lightning_zenflow.engine.transfer import Helper, copy_all
 
 STAGING_SLOT_BYTES = 64 * 1024 * 1024
@@ -91,9 +91,9 @@ class DeviceAccumulation:
         if dtype == torch.bfloat16:
             for s in slots:
                 row_start = (row_offsets or {}).get(s.name, 0) + s.row_start
-                row_u = unit_table(salt_of(s.name), row_start, s.host_rows).to(lanes.device)
-                col_u = unit_table(salt_of(s.name) ^ COLUMN_SALT, 0, s.cols).to(lanes.device)
-                self.noise[(s.group_index, s.index_in_group)] = (row_u, col_u, salt_of(s.name))
+                row_u = unit_table(s.salt, row_start, s.host_rows).to(lanes.device)
+                col_u = unit_table(s.salt ^ COLUMN_SALT, 0, s.cols).to(lanes.device)
+                self.noise[(s.group_index, s.index_in_group)] = (row_u, col_u, s.salt)
         self.d2h_bytes = 0
 
     def add(
@@ -184,7 +184,9 @@ class DeviceAccumulation:
         self.acc_device[(slot.group_index, slot.index_in_group)].copy_(value)
 
     def bytes_held(self) -> int:
-        return sum(t.nbytes for t in self.acc_device.values())
+        """The accumulators and (bf16) the rounding's row and column numbers (4 B per row and per column)."""
+        tables = sum(row_u.nbytes + col_u.nbytes for row_u, col_u, _ in self.noise.values())
+        return sum(t.nbytes for t in self.acc_device.values()) + tables
 
 
 class HostAccumulation:

@@ -22,11 +22,13 @@ is processed in row blocks of about :data:`CHUNK_ELEMENTS` elements, so the eage
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.kernels import Kernels
 from lightning_zenflow.engine.rounding import PURPOSE_EXP_AVG_SQ, lattice, offset_of, round_bf16, unit_table
 
 CHUNK_ELEMENTS = 1 << 22
@@ -40,7 +42,7 @@ SCALARS = (
     "beta2",
     "1 - beta2",
     "lr / bc1",
-    "sqrt(bc2)",
+    "1 / sqrt(bc2)",
     "eps",
     "lattice offset",
     "L2 decay",
@@ -50,6 +52,19 @@ SCALARS = (
 computed before the rounding: fp32's ``1 - 0.999`` is 1.3e-5 off)."""
 
 
+def _mean(
+    grad2d: torch.Tensor, row_u: torch.Tensor, col_u: torch.Tensor, scalars: torch.Tensor, stochastic: bool
+) -> torch.Tensor:
+    """The window's mean gradient (fp32). With the stochastic rounding, ``+ 0 * u`` keeps the whole step one loop over
+    ``[rows, cols]``: without a use of the lattice here, the compiler splits it into a flat loop and a ``[rows, cols]``
+    loop joined by an fp32 buffer of the region (8 B more per element, and an allocation). Adding zero changes no
+    value."""
+    grad = grad2d.float() * scalars[0]
+    if stochastic:
+        grad = grad + lattice(row_u, col_u, scalars[8]) * 0.0
+    return grad
+
+
 def _moments(
     grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, scalars: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,7 +72,7 @@ def _moments(
     m = exp_avg.float()
     m = m + (grad - m) * scalars[2]
     v = exp_avg_sq.float() * scalars[3] + grad * grad * scalars[4]
-    step = -scalars[5] * m / (v.sqrt() / scalars[6] + scalars[7])
+    step = -scalars[5] * m / (v.sqrt() * scalars[6] + scalars[7])
     return m, v, step
 
 
@@ -89,7 +104,7 @@ def adam_step_(
 ) -> None:
     """One AdamW step from the window's sum ``grad2d`` (the mean is ``sum * scalars[0]``): the moments in place, and
     the step written over ``grad2d``. ``stochastic``: the second moment is bf16, rounded stochastically."""
-    grad = grad2d.float() * scalars[0]
+    grad = _mean(grad2d, row_u, col_u, scalars, stochastic)
     m, v, step = _moments(grad, exp_avg2d, exp_avg_sq2d, scalars)
     _store_moments(exp_avg2d, exp_avg_sq2d, m, v, row_u, col_u, scalars, stochastic)
     grad2d.copy_(step)
@@ -107,7 +122,7 @@ def adam_master_step_(
 ) -> None:
     """One Adam/AdamW step on an fp32 master: ``scalars[9]`` is Adam's L2 decay (added to the gradient),
     ``scalars[10]`` AdamW's factor ``1 - lr * wd`` (applied to the master before the step)."""
-    grad = grad2d.float() * scalars[0] + master2d * scalars[9]
+    grad = _mean(grad2d, row_u, col_u, scalars, stochastic) + master2d * scalars[9]
     m, v, step = _moments(grad, exp_avg2d, exp_avg_sq2d, scalars)
     _store_moments(exp_avg2d, exp_avg_sq2d, m, v, row_u, col_u, scalars, stochastic)
     master2d.copy_(master2d * scalars[10] + step)
@@ -142,7 +157,7 @@ class StepHyperParams:
             self.beta2,
             1.0 - self.beta2,
             self.lr / bias_correction1,
-            math.sqrt(bias_correction2),
+            1.0 / math.sqrt(bias_correction2),
             self.eps,
             offset_of(salt, PURPOSE_EXP_AVG_SQ, self.count),
             l2,
@@ -197,3 +212,186 @@ def step_region(
                 scalars,
                 stochastic,
             )
+
+
+# ------------------------------------------------------------------------------- one host update of a group
+@dataclass(frozen=True)
+class MatrixExtent:
+    """Where one matrix lives in its group's flat buffers, and its model dtype (for the staged upload)."""
+
+    offset: int
+    numel: int
+    dtype: torch.dtype
+    cols: int = 0
+    """Columns of the ``[rows, cols]`` view (needed to unpack a packed accumulator)."""
+    col_offset: int = 0
+    """Where this matrix's columns start in its group's shared column-index buffer."""
+    salt: int = 0
+    """The matrix's salt (``engine/rounding.py``): its stochastic rounding draws its own numbers."""
+    row_start: int = 0
+    """The global index of the first row this rank holds (the rounding's numbers are by global row)."""
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """The host work for one param group in one update."""
+
+    hparams: HyperParams
+    active: tuple[int, ...]
+    """Indices (within the group) of the matrices that have columns on the host and got gradients."""
+    mean_divisors: tuple[float, ...]
+    """For each active matrix, what turns its accumulator into the window's mean gradient: the accumulator holds
+    the sum of the window's gradients, so the divisor is their count (the fused kernel divides as it reads).
+    0 when every one of them was skipped (16-mixed overflow): the matrix is not updated, only staged."""
+    packed_columns: tuple[int, ...] | None = None
+    """``accumulate_on="host"``: per active matrix, how many columns its accumulator holds packed (``[rows, n]``
+    contiguous, the columns listed in the spec's ``unselected`` buffer); None: whole ``[rows, cols]`` rows."""
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """One param group's shared host rows, as the worker uses them (``engine/layout.py``)."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    steps: torch.Tensor
+    """``[n_matrices]`` fp32: each matrix's host update count."""
+    master: torch.Tensor | None
+    """fp32 masters where the host keeps them; None: the weights are the masters, the worker writes steps."""
+    windows: tuple[torch.Tensor, ...] = ()
+    """The window rows (one, or two in host mode)."""
+
+    def window(self, slot: int) -> torch.Tensor:
+        return self.windows[slot % len(self.windows)]
+
+
+def unpack_accumulators(
+    grad_acc: torch.Tensor,
+    extents: Sequence[MatrixExtent],
+    job: GroupJob,
+    unselected: torch.Tensor,
+    scratch: torch.Tensor,
+) -> None:
+    """Host mode: turn each active matrix's packed accumulator (``[rows, n]`` at the start of its region) into
+    whole rows in place, zero in the columns that are not host-bound (their host values are parked).
+
+    Rows are moved from the last to the first through ``scratch`` (one row block at a time), so a row is
+    written only after every packed row it overlaps has been read.
+    """
+    if job.packed_columns is None:
+        return
+    for index, n_packed in zip(job.active, job.packed_columns):
+        extent = extents[index]
+        cols = extent.cols
+        if n_packed == cols:
+            continue  # every column is host-bound: the packed layout is the whole-row layout
+        rows = extent.numel // cols
+        region = grad_acc[extent.offset : extent.offset + extent.numel]
+        columns = unselected[extent.col_offset : extent.col_offset + n_packed]
+        block_rows = max(1, min(rows, scratch.numel() // max(cols, 1)))
+        for stop in range(rows, 0, -block_rows):
+            start = max(0, stop - block_rows)
+            packed = region[start * n_packed : stop * n_packed].view(stop - start, n_packed)
+            whole = scratch[: (stop - start) * cols].view(stop - start, cols)
+            whole.zero_()
+            # scatter_ with a broadcast index runs in parallel, about twice as fast here as index_copy_ on dim 1
+            whole.scatter_(1, columns.expand(stop - start, n_packed), packed)
+            region[start * cols : stop * cols].copy_(whole.view(-1))
+
+
+UNPACK_SCRATCH_ELEMENTS = 1 << 22
+"""The worker's fp32 scratch for unpacking host-mode accumulators (16 MiB)."""
+
+
+class StepKernels:
+    """The step functions as the worker runs them (compiled or eager) and the rounding's tables."""
+
+    def __init__(self, mode: str = "eager") -> None:
+        self.kernels = Kernels(mode, torch.device("cpu"))
+        if self.kernels.mode == "compiled":
+            import torch._inductor.config as inductor_config
+
+            # build in this process: a pool of compile processes would outlive nothing but cost start-up and memory
+            inductor_config.compile_threads = 1
+        self.step_ = self.kernels.wrap(adam_step_)
+        self.master_step_ = self.kernels.wrap(adam_master_step_)
+        self.noise = NoiseTables()
+
+    def warm(self, groups: Sequence[WorkerGroup]) -> None:
+        """Build the step for the dtypes of ``groups`` on a tiny region (the first real update then runs at once)."""
+        done = set()
+        for group in groups:
+            for window in group.windows:
+                key = (window.dtype, group.exp_avg.dtype, group.master is not None)
+                if key in done:
+                    continue
+                done.add(key)
+                grad = torch.zeros(2, 3, dtype=window.dtype)
+                m, v = (torch.zeros(2, 3, dtype=group.exp_avg.dtype) for _ in range(2))
+                master = torch.zeros(2, 3) if group.master is not None else None
+                hp = StepHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, 1.0)
+                step_region(
+                    self.step_, self.master_step_, grad, m, v, master, self.noise.of(0, 0, 2, 3), hp.scalars(0, False)
+                )
+
+
+def host_adam_update(
+    group: WorkerGroup,
+    extents: Sequence[MatrixExtent],
+    slot: int,
+    job: GroupJob,
+    unselected: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+    kernels: StepKernels | None = None,
+) -> None:
+    """One AdamW step on the active matrices of a group with the mean of window ``slot``.
+
+    Without a master (the weights are the masters) the step is written over the window row it read; with one, the
+    master is updated and the new weights of a matrix that is not fp32 are written, cast to its dtype, into the bytes
+    of that row (the staging area of the upload; fp32 weights go up from the master itself). Runs in the worker; also
+    importable for tests and benchmarks.
+    """
+    if not job.active:
+        return
+    kernels = kernels or StepKernels()
+    grad_acc = group.window(slot)
+    if job.packed_columns is not None:
+        if unselected is None:
+            raise ValueError("a packed accumulator needs the host-bound column indices (unselected).")
+        if scratch is None:
+            scratch = torch.empty(UNPACK_SCRATCH_ELEMENTS, dtype=torch.float32)
+        unpack_accumulators(grad_acc, extents, job, unselected, scratch)
+    hp = job.hparams
+    with_master = group.master is not None
+    for index, divisor in zip(job.active, job.mean_divisors):
+        extent = extents[index]
+        window = slice(extent.offset, extent.offset + extent.numel)
+        cols = extent.cols or extent.numel
+        rows = extent.numel // cols if cols else 0  # 0: a data-parallel rank that holds no row of this matrix
+        grad2d = grad_acc[window].view(rows, cols)
+        if divisor == 0.0:
+            # every gradient of the window was skipped (16-mixed overflow): no update; a zero step, or the weights
+            # staged as they are
+            if not with_master:
+                grad2d.zero_()
+        else:
+            steps = group.steps[index : index + 1]
+            steps.add_(1.0)
+            step_hp = StepHyperParams(
+                hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.decoupled, int(steps.item()), divisor
+            )
+            master2d = group.master[window].view(rows, cols) if with_master else None
+            step_region(
+                kernels.step_,
+                kernels.master_step_,
+                grad2d,
+                group.exp_avg[window].view(rows, cols),
+                group.exp_avg_sq[window].view(rows, cols),
+                master2d,
+                kernels.noise.of(extent.salt, extent.row_start, rows, cols),
+                step_hp.scalars(extent.salt, with_master),
+            )
+        if with_master and extent.dtype != torch.float32:
+            itemsize = torch.empty((), dtype=extent.dtype).element_size()
+            staged = grad_acc[window].view(torch.uint8)[: extent.numel * itemsize].view(extent.dtype)
+            staged.copy_(group.master[window])

@@ -138,6 +138,15 @@ class InterimMoves:
             self.lanes.side.run(_take_sums, measured, sums, keep)
         self.lanes.side.run(_moves, self.kernels, work, keep)
 
+    def bytes_held(self) -> int:
+        """Device bytes of the statistics and what the moves derive from them (O(rows + columns) per matrix)."""
+        total = self._keep_all.nbytes
+        for stats in self._stats.values():
+            tensors = (stats.row, stats.col, stats.decay, stats.moves, stats.host_mask, stats.row_scale)
+            tensors += (stats.col_scale, stats.move_mask)
+            total += sum(t.nbytes for t in tensors if t is not None)
+        return total
+
     # ---------------------------------------------------------------------------------------------- state
     def state_of(self, name: str) -> dict[str, torch.Tensor]:
         stats = self._stats.get(name)

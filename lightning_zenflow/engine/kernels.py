@@ -146,8 +146,10 @@ def accumulate_bf16_(
     """The compact state's window sum on the device: ``acc <- round(acc + g)`` (``first``: ``round(g)``), bf16 with
     stochastic rounding (``engine/rounding.py``; the numbers of ``row_u`` and ``col_u`` and the step's ``offset``).
     Reads the gradient and the bf16 sum and writes the sum: 4 + b B per element (b: the gradient's bytes)."""
-    total = grad2d.float() if first else acc2d.float() + grad2d.float()
-    acc2d.copy_(round_bf16(total, lattice(row_u, col_u, offset)))
+    u = lattice(row_u, col_u, offset)
+    # ``+ 0 * u``: one loop over [rows, cols] (see engine/host_step.py's _mean); adding zero changes no value
+    total = grad2d.float() + u * 0.0 if first else acc2d.float() + grad2d.float() + u * 0.0
+    acc2d.copy_(round_bf16(total, u))
 
 
 # --------------------------------------------------------------------------------------------- compilation

@@ -24,7 +24,6 @@ from lightning_zenflow.engine.host import HostWorker
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers, MatrixSlot, staging_view
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.engine.rounding import salt_of
 from lightning_zenflow.engine.schedule import PendingUpdate
 from lightning_zenflow.engine.transfer import Helper, copy_all
 
@@ -134,7 +133,7 @@ class Uploads:
                     copies.append((own_rows, source))
                 else:
                     scale = scales[group_index][position]
-                    salt = salt_of(slot2d.name) & 0xFFFF
+                    salt = slot2d.salt & 0xFFFF
                     row_offset = self.row_offsets.get(slot2d.name, 0) + slot2d.row_start
                     seeds.append((seed * 40503 + salt + 1) & 0x7FFFFFFF)
                     row_bytes = source.nbytes // max(1, source.shape[0])

@@ -32,6 +32,7 @@ import torch
 
 from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.engine.rounding import salt_of
 from lightning_zenflow.engine.shm import shared_memory_error, shared_zeros
 
 HOST_STATES = ("fp32", "bf16")
@@ -128,6 +129,11 @@ class MatrixSlot:
     @property
     def numel(self) -> int:
         return self.rows * self.cols
+
+    @property
+    def salt(self) -> int:
+        """Seeds this matrix's stochastic rounding (``engine/rounding.py``)."""
+        return salt_of(self.group_index, self.index_in_group)
 
     @property
     def host_rows(self) -> int:

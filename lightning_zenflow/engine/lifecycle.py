@@ -297,12 +297,17 @@ class EngineLifecycle:
         return d2h, h2d
 
     def device_bytes(self) -> int:
-        """Device bytes the engine holds: optimizer state, work buffers, accumulators, upload buffers, ring."""
+        """Device bytes the engine holds: optimizer state, work buffers, the accumulators (or the host mode's ring), the
+        landing's buffer, the interim moves' statistics (``engine/budget.py`` computes the same from the shapes)."""
         if not self._started or self._closed:
             return 0
         total = self.device_updater.bytes_held()
         if self.accumulation is not None:
-            total += self.accumulation.bytes_held() + self.uploads.bytes_held()
+            total += self.accumulation.bytes_held()
+        if self.uploads is not None:
+            total += self.uploads.bytes_held()
+        if self.interim is not None:
+            total += self.interim.bytes_held()
         return total
 
     def host_bytes(self) -> int:

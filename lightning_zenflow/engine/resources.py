@@ -16,7 +16,6 @@ from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine.host import HostWorker, MatrixExtent, WorkerGroup, WorkerSpec
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.engine.rounding import salt_of
 
 
 def pin_host_buffers(
@@ -101,9 +100,7 @@ def worker_extents(group: GroupLayout, row_offsets: Mapping[str, int] | None = N
     for slot in group.matrices:
         row_start = (row_offsets or {}).get(slot.name, 0) + slot.row_start
         extents.append(
-            MatrixExtent(
-                slot.offset, slot.host_numel, slot.param.dtype, slot.cols, col_offset, salt_of(slot.name), row_start
-            )
+            MatrixExtent(slot.offset, slot.host_numel, slot.param.dtype, slot.cols, col_offset, slot.salt, row_start)
         )
         col_offset += slot.cols
     return extents

@@ -14,10 +14,10 @@ included). The result is the neighbour when ``u * |neighbour - n| < |r|``: proba
 backend of the CPU, where it is about three times slower) and runs eagerly unchanged.
 
 The uniform numbers are a lattice: ``u = frac(row_u[i] + col_u[j] + offset)``, where ``row_u`` and ``col_u`` are
-fixed per matrix (a hash of the matrix's salt and the *global* row or column index, so every rank and every shard
-of a matrix draws the same numbers) and ``offset`` is a hash of the salt, the purpose and the step. For one
-element, ``u`` over the steps is uniform and independent from step to step (the offsets are), which is what keeps
-each element's expectation; within a step the elements share ``offset``. Nothing depends on timing or on the
+fixed per matrix (a hash of the matrix's salt, :func:`salt_of`, and the *global* row or column index, so every rank
+and every shard of a matrix draws the same numbers) and ``offset`` is a hash of the salt, the purpose and the step.
+For one element, ``u`` over the steps is uniform and independent from step to step (the offsets are), which is
+what keeps each element's expectation; within a step the elements share ``offset``. Nothing depends on timing or on the
 backend: the same numbers on a CPU and a GPU, eager and compiled, after a resume.
 """
 
@@ -80,9 +80,11 @@ def unit_table(salt: int, start: int, count: int) -> torch.Tensor:
     return (_shift_right(x, 40).double() / float(1 << 24)).float()
 
 
-def salt_of(name: str) -> int:
-    """A matrix's salt: two matrices never draw the same numbers."""
-    return zlib.crc32(name.encode())
+def salt_of(group_index: int, index_in_group: int) -> int:
+    """A matrix's salt, from its place among the optimizer's matrices (param group, position among the group's
+    matrices): two matrices never draw the same numbers, and an optimizer built from ``named_parameters()`` draws what
+    one built from ``parameters()`` draws."""
+    return zlib.crc32(f"{group_index}:{index_in_group}".encode())
 
 
 def offset_of(salt: int, purpose: int, step: int) -> float:

@@ -27,11 +27,22 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.device import DeviceUpdater
 from lightning_zenflow.engine.interim import InterimMoves
-from lightning_zenflow.engine.interim_state import absorb_steps, load_interim, pending_steps, stage_pending
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, MatrixSlot
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.schedule import Schedule
 from lightning_zenflow.engine.state_checks import MOMENTS, STATE_VERSION, check_progress, check_state, moments_by_name
+from lightning_zenflow.engine.state_masters import (
+    absorb_steps,
+    device_state_from,
+    load_interim,
+    pending_steps,
+    selection_changes,
+    selection_for_ratio,
+    stage_pending,
+    steps_across_a_new_selection,
+    weights_from_masters,
+    without_leaving,
+)
 
 
 class ZenFlowEngine(Protocol):
@@ -114,6 +125,8 @@ def _merged(engine: ZenFlowEngine, row_blocks: bool = False, include_moments: bo
                 if state.k and device_tensor is not None:
                     device_rows = device_tensor[slot.row_start : slot.row_stop] if row_blocks else device_tensor
                     value.index_copy_(1, state.selected_host, device_rows.cpu())
+                elif state.k:
+                    value.index_fill_(1, state.selected_host, 0.0)  # a step of parked columns is never landed
                 entry[key] = value if row_blocks else value.view(slot.param.shape)
             if not keep:
                 continue
@@ -214,39 +227,9 @@ def carry_into(engine: ZenFlowEngine, entries: Mapping[str, dict], from_weights:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
     engine.install_selection(selected, device_steps)
-    _device_state_from(engine, saved, row_blocks=True)
+    device_state_from(engine, saved, row_blocks=True)
     load_interim(engine, entries)
     engine.synchronize_device()
-
-
-def _device_state_from(
-    engine: ZenFlowEngine, saved: Mapping[str, Mapping[str, torch.Tensor]], row_blocks: bool
-) -> None:
-    """The selected columns' device masters and moments from the saved fp32 values (``{name: {key: [rows, cols]}}``,
-    or this rank's ``[host_rows, cols]`` with ``row_blocks``), where the host holds them narrower than the saved
-    values: a migration took them from there (bf16 moments), or from the weights (the weights are the masters of host
-    columns, rounded to the model's dtype). Data parallel row blocks: the rows of every rank, one sum all-reduce per
-    value (collective: every rank calls this)."""
-    for group_index, host in enumerate(engine.host_buffers):
-        keys = [] if host.master is not None else ["master"]
-        keys += [key for key in MOMENTS if getattr(host, key).dtype != torch.float32]
-        if not keys:
-            continue
-        for state in engine.device_updater.selected[group_index]:
-            slot = state.slot
-            values = saved.get(slot.name)
-            if values is None or not state.k:
-                continue
-            for key in keys:
-                columns = values[key].reshape(-1, slot.cols).index_select(1, state.selected_host).float()
-                if row_blocks and engine.ranks.sharded:
-                    whole = torch.zeros(slot.rows, state.k, dtype=torch.float32)
-                    whole[slot.row_start : slot.row_stop] = columns
-                    columns = engine.ranks.all_reduce_sum(whole, engine.device)
-                with torch.no_grad():
-                    getattr(state, key).copy_(columns.to(state.master.device))
-            with torch.no_grad():
-                DeviceUpdater.write_selected(state)
 
 
 def follow_param_groups(engine: ZenFlowEngine) -> None:
@@ -406,11 +389,11 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
             host.step_shared[slot.index_in_group] = float(entry["host_step"])
             saved = entry["selected"].to(torch.long)
             score = exp_avg_sq.sum(dim=0)
-            if row_blocks and _selection_changes(engine, slot, saved):
+            if row_blocks and selection_changes(engine, slot, saved):
                 score = engine.ranks.all_reduce_sum(score, engine.device)  # every rank's rows
-            chosen = _selection_for_ratio(engine, slot, saved, score)
+            chosen = selection_for_ratio(engine, slot, saved, score)
             if slot.name in window_sums and not torch.equal(chosen, saved):
-                window_sums[slot.name] = _without_leaving(window_sums[slot.name], slot, saved, chosen)
+                window_sums[slot.name] = without_leaving(window_sums[slot.name], slot, saved, chosen)
             selected.append(chosen)
             device_steps.append(int(entry["device_step"]))
         for state_entry, device_entry in zip(updater.device_only[group_index], group.device_only):
@@ -422,10 +405,13 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
                 if state_entry.separate_master:
                     state_entry.param.data.copy_(state_entry.master)
             state_entry.step = int(entry["device_step"])
+    weights_from_masters(engine, params, row_blocks)
     pending = engine.schedule.pending
     steps = pending_steps(engine, pending, params, own)
     engine.install_selection(selected, device_steps)
-    _device_state_from(engine, saved_values, row_blocks=row_blocks)
+    device_state_from(engine, saved_values, row_blocks=row_blocks)
+    if pending is not None and pending.scales is not None:
+        steps_across_a_new_selection(engine, pending, steps, params)
     load_interim(engine, params)
     engine.restore_window_sums(window_sums, row_blocks=row_blocks)
     if pending is not None:
@@ -447,53 +433,6 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
         # after the selection's migration, which staged through the window rows: the update's result goes there
         stage_pending(engine, pending, steps)
     engine.synchronize_device()
-
-
-def _selection_changes(engine: ZenFlowEngine, slot: MatrixSlot, saved: torch.Tensor) -> bool:
-    """Whether a resume with the configured ``topk_ratio`` chooses other columns than the saved ones."""
-    if engine.schedule.last_select_t is None:
-        return False
-    return num_selected_columns(slot.cols, engine.config.topk_ratio) != saved.numel()
-
-
-def _selection_for_ratio(
-    engine: ZenFlowEngine, slot: MatrixSlot, saved: torch.Tensor, score: torch.Tensor
-) -> torch.Tensor:
-    """The columns to select after a resume: the saved ones, unless the run now has another ``topk_ratio``.
-
-    Then each matrix gets the configured k at once (device memory follows the new ratio from the first step),
-    changing as few columns as possible: a smaller k keeps the saved columns with the largest second moment
-    (``score``: ``exp_avg_sq`` summed over the column, the running mean of its squared gradient, i.e. of its L2
-    score); a larger k adds the unselected columns with the largest. Ties go to the lower index. The next refresh
-    chooses from the gradient again. Before the first selection (warm-up) there is nothing to keep.
-    """
-    if engine.schedule.last_select_t is None:
-        return saved
-    k = num_selected_columns(slot.cols, engine.config.topk_ratio)
-    if saved.numel() == k:
-        return saved
-    if k < saved.numel():
-        ranked = torch.sort(score[saved], descending=True, stable=True).indices
-        chosen = saved[ranked[:k]]
-    else:
-        others = torch.ones(slot.cols, dtype=torch.bool)
-        others[saved] = False
-        candidates = others.nonzero().flatten()
-        ranked = torch.sort(score[candidates], descending=True, stable=True).indices
-        chosen = torch.cat([saved, candidates[ranked[: k - saved.numel()]]])
-    return torch.sort(chosen).values
-
-
-def _without_leaving(
-    window_sum: torch.Tensor, slot: MatrixSlot, saved: torch.Tensor, chosen: torch.Tensor
-) -> torch.Tensor:
-    """The open window's sum for a matrix whose selection changed at load. Columns that leave the device had their
-    gradients of this window applied there already: their sum starts from zero (it may hold them, whole rows are
-    accumulated on the device). Columns that enter the device drop theirs: the device update cannot take a sum."""
-    leaving = saved[~torch.isin(saved, chosen)]
-    result = window_sum.reshape(-1, slot.cols).clone()
-    result[:, leaving] = 0.0
-    return result.reshape(window_sum.shape)
 
 
 def torch_state_dict(engine: ZenFlowEngine) -> dict:

@@ -16,6 +16,20 @@ from lightning_zenflow.llm.sharding import shard_blocks, whole_model
 from lightning_zenflow.llm.sources import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LOAD_WEIGHTS = ("auto", "now", "on_device")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def _check_weights_exist(folder: str) -> None:
+    """A local folder without weights fails now, as an immediate load would (a Hub name is checked at the load)."""
+    path = Path(folder)
+    if path.is_dir() and not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise OSError(f"no model weights in {folder} (none of {', '.join(WEIGHT_FILES)})")
 
 
 class CausalLMFineTune(LightningModule):
@@ -40,8 +54,9 @@ class CausalLMFineTune(LightningModule):
         activation_checkpointing: bool = False,
         export_on_checkpoint: bool = False,
         final_eval: bool = True,
+        load_weights: str = "auto",
     ) -> None:
-        """Load the model.
+        """Load the model (or, with ``load_weights="on_device"``, its structure: the weights come at setup).
 
         Args:
             model_path: where the model comes from: a local folder with its config and weights, a ``.gguf`` file
@@ -67,6 +82,12 @@ class CausalLMFineTune(LightningModule):
             final_eval: after fit, measure the held-out loss of the final weights on the validation's first batches
                 (``limit_val_batches`` of them) and print it: a validation inside fit runs before the last host update
                 lands.
+            load_weights: when the weights are read. ``"now"``: here, into host memory (the model then moves to the
+                device at setup: a whole copy of it on the host at the peak). ``"on_device"``: the model is built on
+                the meta device here (no memory) and its weights are read at setup (``configure_model``) straight
+                onto the training device, file by file: the host holds no copy of the model, which is what lets a
+                model whose optimizer state fills the host's memory load at all. ``"auto"``: ``"on_device"`` where
+                CUDA is available, else ``"now"``.
         """
         super().__init__()
         if dtype not in DTYPES:
@@ -81,24 +102,30 @@ class CausalLMFineTune(LightningModule):
             raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps} (--model.warmup_steps).")
         if sample_tokens < 1:
             raise ValueError(f"sample_tokens must be at least 1, got {sample_tokens} (--model.sample_tokens).")
+        if load_weights not in LOAD_WEIGHTS:
+            raise ValueError(
+                f"load_weights must be one of {list(LOAD_WEIGHTS)}, got {load_weights!r} (--model.load_weights)."
+            )
         try:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError as error:
             raise ImportError(f"CausalLMFineTune needs `transformers`: {LLM_INSTALL_HINT}") from error
         self.save_hyperparameters()
         self.model_folder = resolve_model(model_path)
+        if load_weights == "auto":
+            load_weights = "on_device" if torch.cuda.is_available() else "now"
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_folder, dtype=DTYPES[dtype])
+            if load_weights == "now":
+                self.model = self._prepared(
+                    AutoModelForCausalLM.from_pretrained(self.model_folder, dtype=DTYPES[dtype])
+                )
+            else:
+                _check_weights_exist(self.model_folder)
+                config = AutoConfig.from_pretrained(self.model_folder)
+                with torch.device("meta"):
+                    self.model = self._prepared(AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]))
         except OSError as error:  # a Hub name that cannot be reached, a folder without weights
             raise ValueError(unloadable(model_path, error, "--model.model_path")) from error
-        if activation_checkpointing:
-            # transformers 5 names it activation_checkpointing_enable and deprecates the older name
-            if hasattr(self.model, "activation_checkpointing_enable"):
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.config.use_cache = False  # no key/value cache while recomputing
-        self.model.train()  # from_pretrained returns the model in eval mode, and Lightning keeps submodules' modes
         self.val_loss_mean = MeanMetric()
         self.last_sample: str | None = None
         self.final_val_loss: float | None = None
@@ -130,11 +157,41 @@ class CausalLMFineTune(LightningModule):
         self.log("val_loss", val_loss, prog_bar=True)
         self.log("val_ppl", torch.exp(val_loss))
 
+    def _prepared(self, model: Any) -> Any:
+        """``model`` with activation checkpointing as asked, in training mode."""
+        if self.hparams.activation_checkpointing:
+            # transformers 5 names it activation_checkpointing_enable and deprecates the older name
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False  # no key/value cache while recomputing
+        model.train()  # from_pretrained returns the model in eval mode, and Lightning keeps submodules' modes
+        return model
+
+    def load_weights_onto(self, device: torch.device) -> None:
+        """``load_weights="on_device"``: read the weights onto ``device``, file by file (nothing if they are read)."""
+        if not any(param.is_meta for param in self.model.parameters()):
+            return
+        from transformers import AutoModelForCausalLM
+
+        dtype = DTYPES[self.hparams.dtype]
+        # straight onto the device: the host holds one file's tensors at a time, never the model
+        place = {"device_map": {"": device}} if device.type != "cpu" else {}
+        self.model = self._prepared(AutoModelForCausalLM.from_pretrained(self.model_folder, dtype=dtype, **place))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # load_from_checkpoint outside a Trainer: the weights the state dict is loaded into must exist
+        if self._trainer is None:
+            self.load_weights_onto(torch.device("cpu"))
+
     def configure_model(self) -> None:
-        """Under ``zenflow_fsdp``: shard the model with FSDP2, ``fully_shard`` on every decoder block and then on the
-        whole model (tied embeddings stay one parameter); nothing under the other strategies."""
+        """Read the weights where ``load_weights="on_device"`` deferred them, onto the training device. Under
+        ``zenflow_fsdp``: shard the model with FSDP2, ``fully_shard`` on every decoder block and then on the whole
+        model (tied embeddings stay one parameter); nothing under the other strategies."""
         from lightning_zenflow.strategies.fsdp import ZenFlowFSDPStrategy
 
+        self.load_weights_onto(self.trainer.strategy.root_device)
         if isinstance(self.trainer.strategy, ZenFlowFSDPStrategy):
             shard_blocks(self.model, self.device_mesh["data_parallel"])
 

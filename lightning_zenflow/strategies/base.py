@@ -88,6 +88,10 @@ class ZenFlowStrategyBase:
         """The data-parallel ranks the engine shards its host state across (one here)."""
         return Ranks()
 
+    def _engine_row_offsets(self) -> dict[str, int] | None:
+        """Where each parameter's rows start in the whole parameter, where the engine sees a shard (FSDP2)."""
+        return None
+
     def _engine_parameters(self) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, str]]:
         """The optimizer the engine runs and the names of its parameters: the user's, with the module's names."""
         names = {param: name for name, param in self.lightning_module.named_parameters()}
@@ -127,7 +131,11 @@ class ZenFlowStrategyBase:
         self._check_optimizers(trainer)
         optimizer, names = self._engine_parameters()
         self.engine = ZenFlowEngine(
-            optimizer, self.zenflow_config, param_names=names, ranks=self._engine_ranks()
+            optimizer,
+            self.zenflow_config,
+            param_names=names,
+            ranks=self._engine_ranks(),
+            row_offsets=self._engine_row_offsets(),
         ).start()
         self.precision_plugin.engine = self.engine
         self._install_callbacks(trainer)

@@ -65,6 +65,7 @@ class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
         interim_kernel: the moves' passes ``"compiled"`` (torch.compile, one fused kernel) or ``"eager"``; ``"auto"``
             compiles where a compiler is found.
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
+        host_state: precision of the host's optimizer state: ``"bf16"`` (6 B per parameter) or ``"fp32"`` (exact).
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
         sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
             ``"epoch_end"``, ``"checkpoint"`` (none by default: observing a run does not change its numbers).
@@ -101,6 +102,7 @@ class ZenFlowDDPStrategy(ZenFlowStrategyBase, DDPStrategy):
         interim_step: float | Literal["auto"] = "auto",
         interim_kernel: Literal["auto", "compiled", "eager"] = "auto",
         accumulate_on: Literal["auto", "device", "host"] = "auto",
+        host_state: Literal["fp32", "bf16"] = "bf16",
         importance: Literal["l2", "l1"] = "l2",
         sync_on: tuple[str, ...] | list[str] = (),
         host_threads: int | None = None,

@@ -137,6 +137,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         interim_step: move host columns between host updates (``"auto"``: 1 where it applies; 0: the paper).
         interim_kernel: the moves' passes ``"compiled"`` or ``"eager"``; ``"auto"`` compiles where it can.
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
+        host_state: precision of the host's optimizer state: ``"bf16"`` (6 B per parameter) or ``"fp32"`` (exact).
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
         sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
             ``"epoch_end"``, ``"checkpoint"`` (none by default: observing a run does not change its numbers).
@@ -167,6 +168,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
         interim_step: float | Literal["auto"] = "auto",
         interim_kernel: Literal["auto", "compiled", "eager"] = "auto",
         accumulate_on: Literal["auto", "device", "host"] = "auto",
+        host_state: Literal["fp32", "bf16"] = "bf16",
         importance: Literal["l2", "l1"] = "l2",
         sync_on: tuple[str, ...] | list[str] = (),
         host_threads: int | None = None,
@@ -235,6 +237,12 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, ModelParallelStrategy):
                 _check_shard(param, names.get(param, "a parameter"), world, ranks, self.root_device)
         self._shards = LocalShards(optimizer, names, ranks)
         return self._shards.local_optimizer, self._shards.names
+
+    @override
+    def _engine_row_offsets(self) -> dict[str, int] | None:
+        if self._shards is None:
+            return None
+        return {name: offset for name, (offset, _) in self._shards.row_blocks().items()}
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

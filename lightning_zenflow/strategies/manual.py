@@ -36,6 +36,7 @@ _FACADE_KNOBS = {
     "interim_step",
     "interim_kernel",
     "accumulate_on",
+    "host_state",
     "importance",
     "host_threads",
     "pt_reserved_cores_perc",

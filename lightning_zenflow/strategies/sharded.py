@@ -27,7 +27,7 @@ from lightning_zenflow.engine.ranks import Ranks
 META_FILE = "meta.pt"
 FORMAT_KEY = "zenflow_sharded"
 """Key of the meta file's own section: how the tensors were written (shapes, keys, the number of ranks)."""
-TENSOR_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad_acc")
+TENSOR_KEYS = ("master", "exp_avg", "exp_avg_sq", "grad_acc", "step")
 
 
 def is_sharded_checkpoint(path: Any) -> bool:
