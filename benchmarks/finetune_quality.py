@@ -76,8 +76,13 @@ class Row:
 
 MAIN_ROWS = (
     Row("adamw", None, "torch.optim.AdamW (fused=False), the reference"),
-    Row("sync-offload", {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False}, "ZeRO-Offload semantics"),
-    Row("zenflow", {}, "engine defaults: rho 0.1, S 4, overlap on, select per epoch, 10 warm-up steps, l2"),
+    Row(
+        "sync-offload",
+        {"topk_ratio": 0.0, "update_interval": 1, "overlap_step": False, "host_state": "fp32"},
+        "ZeRO-Offload semantics, the exact fp32 host state",
+    ),
+    Row("zenflow", {}, "engine defaults: rho 0.1, S 4, overlap on, select per epoch, 10 warm-up steps, l2, bf16 state"),
+    Row("zenflow-fp32", {"host_state": "fp32"}, "the defaults with the exact fp32 host state (12 B/param, not 6)"),
     Row(
         "paper", {"full_warm_up_rounds": 0}, "the paper's rule (and DeepSpeed's defaults): the defaults without warm-up"
     ),

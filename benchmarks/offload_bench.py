@@ -4,10 +4,11 @@ One run, one model, one batch sequence, one seed, every configuration in turn:
 
 - ``fwd+bwd``       forward and backward only, no optimizer step (the floor);
 - ``no-offload``    plain ``torch.optim.AdamW(fused=True)`` in the training process;
-- ``sync-offload``  the engine with ``topk_ratio=0, update_interval=1, overlap_step=False`` (ZeRO-Offload semantics:
-  every matrix updated on the host at every step, the device waits);
+- ``sync-offload``  the engine with ``topk_ratio=0, update_interval=1, overlap_step=False`` in the exact fp32 host
+  state (ZeRO-Offload semantics: every matrix updated on the host at every step, the device waits);
 - ``zenflow``       the engine with its defaults (``topk_ratio=0.1, update_interval=4``, overlap on,
-  ``accumulate_on="auto"``, which takes the device here, interim moves on);
+  ``accumulate_on="auto"``, which takes the device here, interim moves on, the compact bf16 host state);
+- ``zenflow fp32``  the same in the exact fp32 host state;
 - ``zenflow no-moves``  the same with ``interim_step=0`` (the paper's rule for the host columns);
 - ``zenflow host``  the same with ``accumulate_on="host"`` (per-step copies down, host adds);
 - ``zenflow rho=... S=...``  a sweep over ``--rhos`` x ``--intervals``;
@@ -181,9 +182,11 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
                 select_strategy="auto",
                 select_interval="auto",
                 accumulate_on="host",
+                host_state="fp32",
             ),
         ),
         Spec("zenflow", "engine", base),
+        Spec("zenflow fp32", "engine", base.replace(host_state="fp32")),
         Spec("zenflow no-moves", "engine", base.replace(interim_step=0)),
         Spec("zenflow host", "engine", base.replace(accumulate_on="host")),
     ]
@@ -479,6 +482,7 @@ def run_spec(
         "update_interval": spec.interval,
         "overlap_step": None if spec.config is None else spec.config.overlap_step,
         "interim_step": None if spec.config is None else spec.config.interim_step,
+        "host_state": None if spec.config is None else spec.config.host_state,
         "setup_s": setup_s,
         "n_params": n_params,
         "step_s": step_s,

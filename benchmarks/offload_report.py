@@ -47,12 +47,15 @@ def summarize(results: list[dict[str, Any]], model_bytes: int, n_params: int) ->
             row["h2d_over_model_bytes"] = sum(r["h2d_bytes"]) / len(r["h2d_bytes"]) / model_bytes
             rho, interval = r["topk_ratio"], r["update_interval"]
             row["accumulate_on"] = r.get("accumulate_on")
+            weight_bytes = model_bytes / n_params
             if row["accumulate_on"] == "device":
-                # the fp32 accumulator down and the weights up once per window (docs/performance.md)
-                row["pcie_budget"] = (4.0 / (model_bytes / n_params) + 1.0) / interval
+                # the window's sum down and its step up once per window, a B each (2 in the compact state, 4 in the
+                # exact one; docs/performance.md)
+                window = 4.0 if r.get("host_state") == "fp32" else 2.0
+                row["pcie_budget"] = 2.0 * window / weight_bytes / interval
             else:
-                # the unselected columns down every step, the weights up once per window
-                row["pcie_budget"] = (1.0 - rho) + 1.0 / interval
+                # the unselected columns down every step, the fp32 step up once per window
+                row["pcie_budget"] = (1.0 - rho) + 4.0 / weight_bytes / interval
         elif r["kind"] == "no-offload":
             row["stall_share"] = 0.0
             row["pcie_over_model_bytes"] = 0.0

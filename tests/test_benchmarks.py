@@ -80,7 +80,15 @@ def test_offload_bench_quick(tmp_path: pathlib.Path) -> None:
         assert positive(candidate["fwd_bwd_s"])
         assert positive(candidate["adamw_s"])
     configs = {config["name"]: config for config in result["configs"]}
-    assert set(configs) == {"fwd+bwd", "no-offload", "sync-offload", "zenflow", "zenflow no-moves", "zenflow host"}
+    assert set(configs) == {
+        "fwd+bwd",
+        "no-offload",
+        "sync-offload",
+        "zenflow",
+        "zenflow fp32",
+        "zenflow no-moves",
+        "zenflow host",
+    }
     for name, config in configs.items():
         summary = config["summary"]
         assert len(config["step_s"]) == result["measured_steps"], name
