@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine import lanes as lanes_module
 from lightning_zenflow.engine.host import GroupJob, MatrixExtent, unpack_accumulators
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
@@ -422,3 +423,22 @@ def test_bf16_resume_with_a_host_update_pending_is_bitwise_across_modes(saved_in
         for name, value in uninterrupted[key].items():
             assert torch.equal(resumed[key][name], value), f"{name} after step {key}"
     assert not torch.equal(uninterrupted["final"]["0.weight"], uninterrupted[1]["0.weight"])
+
+
+@pytest.mark.parametrize("host_state", ["bf16", "fp32"])
+def test_a_pending_update_moves_into_the_host_rows_when_auto_takes_the_host_after_a_load(host_state, monkeypatch):
+    """A state saved in device mode with an update in flight, loaded into an engine whose ``accumulate_on="auto"``
+    takes the host at its first step (too little device memory): the engine starts with device mode's one window
+    row, and the update in flight (a step where the weights are the masters) moves into the host mode's rows at the
+    switch. It lands as in an engine configured for the host from the start: bitwise."""
+    _, snapshot = _resume_run("device", range(1, 13), _net(torch.bfloat16), None, snapshot_at=5, host_state=host_state)
+    state, model_copy = snapshot
+    assert state["progress"]["pending"] is not None
+    configured, _ = _resume_run(
+        "host", range(6, 13), copy.deepcopy(model_copy), copy.deepcopy(state), None, host_state=host_state
+    )
+    monkeypatch.setattr(lanes_module.Lanes, "free_bytes", lambda self: 0)
+    chosen, _ = _resume_run("auto", range(6, 13), model_copy, state, None, host_state=host_state)
+    for key in [*range(6, 13), "final"]:
+        for name, value in configured[key].items():
+            assert torch.equal(chosen[key][name], value), f"{name} after step {key}"

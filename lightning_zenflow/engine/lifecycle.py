@@ -28,6 +28,7 @@ from lightning_zenflow.engine.layout import (
     allocate_window_rows,
     build_layout,
     resolve_host_format,
+    staging_view,
 )
 from lightning_zenflow.engine.optimizers import ZeroGradGuard, check_optimizer
 from lightning_zenflow.engine.preflight import check_host_resources
@@ -195,8 +196,20 @@ class EngineLifecycle:
         unpin([(t, p) for t, p in self._pinned if any(t is w for w in windows)])
         self._pinned = still_pinned
         check_host_resources(self.layout, self.device, ranks_per_host=self.ranks.local_world, host_format=wanted)
+        pending = self.schedule.pending
+        # a restored host update in flight waits in the old rows (its step, or its staged weights): it moves over
+        old_rows = [host.grad_acc(pending.slot) for host in self.host_buffers] if pending is not None else None
         allocate_window_rows(self.layout, self.host_buffers, wanted)
         self.host_format = wanted
+        if pending is not None:
+            for group, host, old_row, active in zip(self.layout, self.host_buffers, old_rows, pending.active):
+                for index in active:
+                    slot = group.matrices[index]
+                    if host.master is None:
+                        slot.view2d(host.grad_acc(pending.slot)).copy_(slot.view2d(old_row))
+                    elif slot.param.dtype != torch.float32:
+                        staged = staging_view(host.grad_acc(pending.slot), slot, slot.param.dtype)
+                        staged.copy_(slot.view2d(host.master))
         if self.device.type == "cuda":
             self._pinned += pin_rows([row for host in self.host_buffers for row in host.windows])
         if self._worker is not None:
