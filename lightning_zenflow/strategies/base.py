@@ -7,6 +7,7 @@ its ``step()`` is never called: ``ZenFlowPrecision.optimizer_step`` hands the gr
 
 from __future__ import annotations
 
+import copy
 import math
 import pathlib
 from collections.abc import Mapping
@@ -84,6 +85,20 @@ class ZenFlowStrategyBase:
         self._checkpoint_path: str | None = None
         self._own_callbacks: list[Callback] = []
 
+    def __deepcopy__(self, memo: dict) -> ZenFlowStrategyBase:
+        """A copy holds no running engine (its worker's pipe, its shared memory and its threads belong to this one):
+        where the copy would reach it, it has None. Lightning's own tests deep-copy ``trainer.callbacks`` (a progress
+        bar refers to the Trainer, and so to this strategy), at ``on_fit_start`` too; plain Lightning copies its
+        strategy whole there. A manually optimized module's ``ZenFlowAdamW`` copies carry its state (each starts its
+        own engine if it ever steps)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        if self.engine is not None:
+            memo[id(self.engine)] = None
+        # Lightning's own pickling state (it leaves out the LightningOptimizer wrappers and rebuilds them)
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
     def _engine_ranks(self) -> Ranks:
         """The data-parallel ranks the engine shards its host state across (one here)."""
         return Ranks()
@@ -130,7 +145,6 @@ class ZenFlowStrategyBase:
             optimizer, self.zenflow_config, param_names=names, ranks=self._engine_ranks()
         ).start()
         self.precision_plugin.engine = self.engine
-        self._install_callbacks(trainer)
         if optimizer is self.optimizers[0] and self.engine.ranks.world == 1:
             # one process: the optimizer Lightning hands out shows the engine's state (a gather under data
             # parallel would need every rank, so there it keeps torch's own, empty, state)
@@ -209,17 +223,22 @@ class ZenFlowStrategyBase:
         rebind_schedulers(self.lr_scheduler_configs, self._manual.originals, self._manual.facades)
         self.optimizers = self._manual.facades
         self.precision_plugin.manual = self._manual
-        self._install_callbacks(trainer)
 
     _manual_supported = True
     """False where manual optimization is refused (FSDP2)."""
 
     def _install_callbacks(self, trainer: pl.Trainer) -> None:
+        """ZenFlow's callbacks join the Trainer's at the start of training (this strategy's ``on_train_start``, which
+        Lightning calls after the callbacks' own) and leave at teardown: before and after, ``trainer.callbacks`` is
+        what plain Lightning has (Lightning's own tests compare copies taken at ``on_fit_start`` and after the fit).
+        Before training starts there is nothing to sync (the sanity check runs before any step)."""
         self._own_callbacks = [_SyncBoundaries(self)]
         if self.zenflow_config.log_telemetry and not any(isinstance(c, ZenFlowTelemetry) for c in trainer.callbacks):
             self._own_callbacks.append(ZenFlowTelemetry())
         # ahead of the user's callbacks: the boundary sync must run before e.g. checkpointing sees the model
         trainer.callbacks[:0] = self._own_callbacks
+        for callback in self._own_callbacks:
+            callback.on_train_start(trainer, trainer.lightning_module)  # Lightning called the others' already
 
     def _remove_callbacks(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -234,6 +253,8 @@ class ZenFlowStrategyBase:
             steps = trainer.num_training_batches
             if isinstance(steps, int) and steps > 0:
                 self.engine.set_steps_per_epoch(math.ceil(steps / max(1, trainer.accumulate_grad_batches)))
+        if (self.engine is not None or self._manual is not None) and not self._own_callbacks:
+            self._install_callbacks(trainer)
         super().on_train_start()
 
     @override
