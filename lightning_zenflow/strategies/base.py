@@ -29,7 +29,7 @@ from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state_checks import check_state, state_dict_mismatch, unreadable_checkpoint
-from lightning_zenflow.strategies.manual import ManualOptimizers, rebind_schedulers
+from lightning_zenflow.strategies.manual import ManualOptimizers
 from lightning_zenflow.strategies.optimizer_view import OptimizerStateView
 from lightning_zenflow.strategies.precision import ZenFlowPrecision
 from lightning_zenflow.strategies.sharded import (
@@ -220,7 +220,6 @@ class ZenFlowStrategyBase:
         steps = trainer.num_training_batches
         steps_per_epoch = steps if isinstance(steps, int) and steps > 0 else None
         self._manual = ManualOptimizers(self.optimizers, self.zenflow_config, names, steps_per_epoch)
-        rebind_schedulers(self.lr_scheduler_configs, self._manual.originals, self._manual.facades)
         self.optimizers = self._manual.facades
         self.precision_plugin.manual = self._manual
 
