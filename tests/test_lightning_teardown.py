@@ -193,7 +193,8 @@ def test_a_copy_of_the_callbacks_at_fit_start_works_and_matches_the_callbacks_af
     trainer.fit(module)
     assert capture.engine_ran, "the engine runs at on_fit_start"
     copied_bar = next(c for c in capture.callbacks if isinstance(c, TQDMProgressBar))
-    assert copied_bar.trainer is not trainer and copied_bar.trainer.strategy.engine is None
+    assert copied_bar.trainer is not trainer
+    assert copied_bar.trainer.strategy.engine is None
     after = copy.deepcopy(trainer.callbacks)
     assert [type(c) for c in after] == [type(c) for c in capture.callbacks]
     assert_weights_equal(weights(module), weights(plain))

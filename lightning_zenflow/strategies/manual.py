@@ -5,8 +5,9 @@ them from ``configure_optimizers`` as usual. At setup each ``torch.optim.Adam``/
 :class:`~lightning_zenflow.ZenFlowAdamW` with the strategy's knobs over the *same* param-group dicts (so an LR
 scheduler built on the original optimizer, which writes those dicts, drives it; the scheduler keeps naming the
 original, and the facade's ``optimizer`` attribute is the original, so ``LearningRateMonitor`` names its series after
-the user's optimizers as plain Lightning does), and ``self.optimizers()`` hands those out: ``self.manual_backward(loss)``, ``opt.step()`` and ``opt.zero_grad()`` run ZenFlow's rule, each optimizer
-with its own engine and host worker. A ``ZenFlowAdamW`` returned by ``configure_optimizers`` is taken as it is.
+the user's optimizers as plain Lightning does), and ``self.optimizers()`` hands those out:
+``self.manual_backward(loss)``, ``opt.step()`` and ``opt.zero_grad()`` run ZenFlow's rule, each optimizer with its own
+engine and host worker. A ``ZenFlowAdamW`` returned by ``configure_optimizers`` is taken as it is.
 
 Checkpoints hold each optimizer's state as ``ZenFlowAdamW.state_dict()`` gives it (torch AdamW's format plus the
 engine's exact extras under ``"zenflow"``): plain Lightning and AdamW read it, and ZenFlow resumes it exactly. The end
