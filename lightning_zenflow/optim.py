@@ -58,6 +58,8 @@ STATE_KEY = "zenflow"
 """Where ``state_dict()`` keeps the engine's exact extras beside torch AdamW's ``state`` and ``param_groups``."""
 LIGHTNING_ONLY_KNOBS = ("sync_on", "log_telemetry", "checkpoint_format")
 """ZenFlowConfig fields that concern Lightning's Trainer only (its boundaries, loggers and checkpoint files)."""
+FACADE_KNOBS = tuple(f.name for f in fields(ZenFlowConfig) if f.name not in LIGHTNING_ONLY_KNOBS)
+"""The ZenFlow knobs ``ZenFlowAdamW`` takes: every ``ZenFlowConfig`` field but the Trainer's."""
 IMPLEMENTATION_OPTIONS = ("foreach", "fused")
 """torch.optim.AdamW's keywords that choose an implementation of the same numbers: accepted with any value, no effect
 (ZenFlow's kernels are always fused, on the device and on the host). torch's own checks of them still run."""
@@ -133,11 +135,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         steps_per_epoch: int | None = None,
         ranks: Ranks | None = None,
     ) -> None:
-        knobs = {
-            name: value
-            for name, value in locals().items()
-            if name in {f.name for f in fields(ZenFlowConfig)} and name not in LIGHTNING_ONLY_KNOBS
-        }
+        knobs = {name: value for name, value in locals().items() if name in FACADE_KNOBS}
         # validated before anything else: a wrong knob is a clear error at construction
         config = ZenFlowConfig(**knobs)
         options = {name: value for name, value in locals().items() if name in (*TORCH_OPTIONS, *IMPLEMENTATION_OPTIONS)}
@@ -346,7 +344,13 @@ class ZenFlowAdamW(torch.optim.AdamW):
             self._zenflow.copied_state = copied
 
     def __repr__(self) -> str:
-        return f"ZenFlowAdamW({self._zenflow.config!r}, {len(self.param_groups)} param groups)"
+        """torch's listing of the param groups, then the ZenFlow knobs as the constructor takes them."""
+        facade = self._zenflow
+        knobs = [f"{name}={getattr(facade.config, name)!r}" for name in FACADE_KNOBS]
+        if facade.steps_per_epoch is not None:
+            knobs.append(f"steps_per_epoch={facade.steps_per_epoch!r}")
+        listing = super().__repr__().rstrip()
+        return f"{listing[:-1]}ZenFlow: {', '.join(knobs)}\n)"
 
 
 class _FacadeState:

@@ -424,3 +424,21 @@ def test_a_subclass_that_overrides_step_is_refused_in_this_process_too() -> None
         model(torch.ones(2, 8)).sum().backward()
         with pytest.raises(UnsupportedSetupError, match="OwnStateDict overrides state_dict of ZenFlowAdamW"):
             optimizer.step()
+
+
+def test_repr_shows_what_the_constructor_takes() -> None:
+    """torch's listing of the param groups, then the ZenFlow knobs as keywords of the constructor, and none of the
+    Trainer's knobs (``sync_on``, ``log_telemetry``, ``checkpoint_format``), which it refuses."""
+    import inspect
+
+    optimizer = ZenFlowAdamW(_model().parameters(), lr=1e-2, topk_ratio=0.2, steps_per_epoch=7)
+    text = repr(optimizer)
+    assert text.startswith("ZenFlowAdamW (\nParameter Group 0\n")
+    knobs_line = next(line for line in text.splitlines() if line.startswith("ZenFlow: "))
+    given = dict(item.split("=", 1) for item in knobs_line.removeprefix("ZenFlow: ").split(", "))
+    accepted = set(inspect.signature(ZenFlowAdamW).parameters)
+    assert set(given) <= accepted, set(given) - accepted
+    assert given["topk_ratio"] == "0.2"
+    assert given["steps_per_epoch"] == "7"
+    assert not {"sync_on", "log_telemetry", "checkpoint_format"} & set(given)
+    optimizer.close()

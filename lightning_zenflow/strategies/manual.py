@@ -24,27 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS
-from lightning_zenflow.optim import ZenFlowAdamW
-
-_FACADE_KNOBS = {
-    "topk_ratio",
-    "update_interval",
-    "select_strategy",
-    "select_interval",
-    "full_warm_up_rounds",
-    "overlap_step",
-    "land_after",
-    "overlap_after",
-    "interim_step",
-    "interim_kernel",
-    "accumulate_on",
-    "importance",
-    "host_threads",
-    "pt_reserved_cores_perc",
-    "bind_cores",
-    "worker_timeout_s",
-}
-"""The knobs of ``ZenFlowConfig`` that ``ZenFlowAdamW`` takes (the rest are the Trainer's business)."""
+from lightning_zenflow.optim import FACADE_KNOBS, ZenFlowAdamW
 
 
 class ManualOptimizers:
@@ -133,7 +113,7 @@ def _facade_of(
                 f"optimizer {index}, param group {group_index} sets amsgrad=True, which ZenFlow does not support; "
                 "set amsgrad=False."
             )
-    knobs = {name: getattr(config, name) for name in _FACADE_KNOBS}
+    knobs = {name: getattr(config, name) for name in FACADE_KNOBS}
     params = [{"params": list(group["params"])} for group in optimizer.param_groups]
     facade = ZenFlowAdamW(params, **knobs, steps_per_epoch=steps_per_epoch)
     for group_index, group in enumerate(optimizer.param_groups):
