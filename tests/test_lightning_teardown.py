@@ -198,3 +198,16 @@ def test_a_copy_of_the_callbacks_at_fit_start_works_and_matches_the_callbacks_af
     after = copy.deepcopy(trainer.callbacks)
     assert [type(c) for c in after] == [type(c) for c in capture.callbacks]
     assert_weights_equal(weights(module), weights(plain))
+
+
+def test_the_learning_rate_finder_runs_and_the_fit_after_it_has_the_strategys_callbacks() -> None:
+    """Lightning's learning-rate finder swaps the Trainer's callbacks for its own during its run and reads it back as
+    the first; ZenFlow's callbacks stay out of that run and join the fit that follows."""
+    from lightning.pytorch.tuner import Tuner
+
+    callbacks, module = _RecordCallbacks(), TinyModule()
+    trainer = make_trainer(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **HOST_EVERY_STEP}), callbacks=[callbacks])
+    finder = Tuner(trainer).lr_find(module, min_lr=1e-4, max_lr=1e-1, num_training=6, early_stop_threshold=None)
+    assert len(finder.results["lr"]) == 6
+    trainer.fit(module)
+    assert callbacks.own_callbacks[-2:] == [2, 2], "both epochs of the fit ran with ZenFlow's callbacks"

@@ -252,7 +252,11 @@ class ZenFlowStrategyBase:
             steps = trainer.num_training_batches
             if isinstance(steps, int) and steps > 0:
                 self.engine.set_steps_per_epoch(math.ceil(steps / max(1, trainer.accumulate_grad_batches)))
-        if (self.engine is not None or self._manual is not None) and not self._own_callbacks:
+        installed = any(c is own for own in self._own_callbacks for c in trainer.callbacks)
+        # not during the learning-rate finder's run (it reads its own callback back as the first); installed again
+        # for the fit after it, which gets the Trainer's callbacks back as they were before the finder
+        tuning = any(type(c).__name__ == "_LRCallback" for c in trainer.callbacks)
+        if (self.engine is not None or self._manual is not None) and not installed and not tuning:
             self._install_callbacks(trainer)
         super().on_train_start()
 
@@ -541,8 +545,8 @@ class ZenFlowStrategyBase:
 class _SyncBoundaries(Callback):
     """Applies host work in flight at the ``sync_on`` boundaries that Lightning reaches through callbacks.
 
-    It is the first callback of the Trainer, so the sync runs before the user's callbacks (and before the
-    LightningModule's and the strategy's own hooks, which Lightning calls after the callbacks) see the model.
+    It is the first callback of the Trainer while training runs, so the sync runs before the user's callbacks (and
+    before the LightningModule's and the strategy's own hooks, which Lightning calls after the callbacks) see the model.
     """
 
     def __init__(self, strategy: ZenFlowStrategyBase) -> None:
