@@ -40,9 +40,9 @@ def register_strategies() -> None:
 
 
 def install_cli_hint() -> None:
-    from lightning_zenflow import cli_hint
+    from lightning_zenflow.cli_hint import install
 
-    cli_hint.install()  # your own LightningCLI: a hint when a knob is set on the short name
+    install()  # your own LightningCLI: a hint when a knob is set on the short name
 
 
 _done = {"strategies": False, "cli_hint": False}

@@ -40,6 +40,7 @@ from reference import ReferenceZenFlow, choose_columns, num_columns
 
 from lightning_zenflow.config import AUTO_SELECT_STEPS, ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.export import adamw_state
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
 
@@ -245,13 +246,20 @@ def _assert_state(engine: ZenFlowEngine, opt: torch.optim.Optimizer, params: dic
             position += 1
     moments = ref.moments()
     assert {position_names[p] for p in torch_state} == set(moments)
+    betas = {id(param): group["betas"] for group in opt.param_groups for param in group["params"]}
     for position, entry in torch_state.items():
         name = position_names[position]
         exp_avg, exp_avg_sq = moments[name]
-        torch.testing.assert_close(entry["exp_avg"], exp_avg, atol=ATOL, rtol=RTOL, msg=f"exp_avg {name} {where}")
+        # the engine's moments (each side's, as the rule keeps them) ...
+        held = saved[name]
+        torch.testing.assert_close(held["exp_avg"], exp_avg, atol=ATOL, rtol=RTOL, msg=f"exp_avg {name} {where}")
         torch.testing.assert_close(
-            entry["exp_avg_sq"], exp_avg_sq, atol=ATOL, rtol=RTOL, msg=f"exp_avg_sq {name} {where}"
+            held["exp_avg_sq"], exp_avg_sq, atol=ATOL, rtol=RTOL, msg=f"exp_avg_sq {name} {where}"
         )
+        # ... and the torch format states them at the exported step (engine/export.py)
+        exported = adamw_state(held, betas[id(params[name])])
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(entry[key], exported[key]), f"exported {key} {name} {where}"
 
 
 def _run_against_reference(

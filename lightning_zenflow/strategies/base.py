@@ -29,6 +29,7 @@ from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state_checks import check_state, state_dict_mismatch, unreadable_checkpoint
+from lightning_zenflow.strategies.boundaries import SyncBoundaries as _SyncBoundaries
 from lightning_zenflow.strategies.manual import ManualOptimizers
 from lightning_zenflow.strategies.optimizer_view import OptimizerStateView
 from lightning_zenflow.strategies.precision import ZenFlowPrecision
@@ -540,27 +541,3 @@ class ZenFlowStrategyBase:
             self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
         else:
             self.engine.load_torch_state_dict(torch_state)
-
-
-class _SyncBoundaries(Callback):
-    """Applies host work in flight at the ``sync_on`` boundaries that Lightning reaches through callbacks.
-
-    It is the first callback of the Trainer while training runs, so the sync runs before the user's callbacks (and
-    before the LightningModule's and the strategy's own hooks, which Lightning calls after the callbacks) see the model.
-    """
-
-    def __init__(self, strategy: ZenFlowStrategyBase) -> None:
-        self.strategy = strategy
-
-    def __deepcopy__(self, memo: dict) -> _SyncBoundaries:
-        # a copy of the Trainer's callbacks (Lightning's own tests take one) refers to the same strategy: copying it
-        # would copy the running engine, its worker's pipe and shared memory, whose copies then close their handles
-        return type(self)(self.strategy)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "validation" in self.strategy.zenflow_config.sync_on:
-            self.strategy.sync()
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "epoch_end" in self.strategy.zenflow_config.sync_on:
-            self.strategy.sync()
