@@ -52,6 +52,20 @@ def test_the_interim_statistics_set_the_host_second_moment_to_the_single_step_on
     torch.testing.assert_close(host_v.mean(), torch.tensor(0.5 / (1 - 0.75)))
 
 
+def test_moments_that_overflowed_are_exported_and_restored_without_an_error() -> None:
+    """An infinite second moment (an overflow the run went on with): the single-step scale is left out, and the
+    engine's moments still come back bitwise."""
+    from lightning_zenflow.engine.export import exact_inverse, restore_moments
+
+    exp_avg_sq = torch.rand(3, 4)
+    exp_avg_sq[0, 0] = float("inf")
+    entry = _entry(exp_avg_sq=exp_avg_sq, interim_row=torch.full((3,), 0.5), interim_decay=torch.tensor(0.75))
+    state = adamw_state(entry, BETAS)
+    restored = restore_moments(dict(state), {**entry, **exact_inverse(entry, BETAS)})
+    assert torch.equal(restored["exp_avg"], entry["exp_avg"])
+    assert torch.equal(restored["exp_avg_sq"], entry["exp_avg_sq"])
+
+
 @pytest.mark.parametrize(
     "changes",
     [{"host_step": 20}, {"selected": torch.arange(4)}, {"kind": "device", "host_step": 0}],

@@ -22,6 +22,7 @@ and a resume restores the moments the engine held exactly (:func:`restore_moment
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -142,7 +143,8 @@ def _host_v_scale(entry: Mapping[str, object], host_v: torch.Tensor, beta2: floa
         return 1.0
     correction = 1.0 - float(decay)
     window_means = float(host_v.double().mean()) / (1.0 - beta2**host_step)
-    if correction <= 0.0 or window_means <= 0.0:
+    if correction <= 0.0 or not (0.0 < window_means < math.inf):
         return 1.0
-    single_steps = float(row.double().mean()) / correction
-    return single_steps / window_means if single_steps > 0.0 else 1.0
+    scale = float(row.double().mean()) / correction / window_means
+    # statistics that hold nothing usable (no gradient yet, an overflow) leave the moments as the counts state them
+    return scale if math.isfinite(scale) and scale > 0.0 else 1.0
