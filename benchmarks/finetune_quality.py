@@ -116,6 +116,18 @@ ABLATION_ROWS = (
         {**PAPER, "overlap_after": 16},
         "no warm-up; windows closing at steps <= 16 land at once (4 host waits), later ones overlap",
     ),
+    Row(
+        "select-once",
+        {"select_strategy": "epoch", "select_interval": 1},
+        "the defaults, selecting once per epoch: "
+        "with --epoch-unknown one selection after warm-up, never refreshed (ZenFlowAdamW's default before the step "
+        "cadence)",
+    ),
+    Row("refresh-32", {"select_strategy": "step", "select_interval": 32}, "the defaults, re-selecting every 32 steps"),
+    Row("refresh-64", {"select_strategy": "step", "select_interval": 64}, "the defaults, re-selecting every 64 steps"),
+    Row(
+        "refresh-128", {"select_strategy": "step", "select_interval": 128}, "the defaults, re-selecting every 128 steps"
+    ),
     Row("interim-1", {"interim_step": 1.0}, "the defaults with interim moves of the host columns (interim_step 1)"),
     Row("interim-0.5", {"interim_step": 0.5}, "the defaults with half-size interim moves"),
     Row("paper+interim-1", {**PAPER, "interim_step": 1.0}, "the paper's rule with interim moves"),
@@ -181,6 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-blocks", type=int, default=None, help="held-out blocks per evaluation (128; quick 8).")
     parser.add_argument("--probe-every", type=int, default=None, help="gradient statistics period (16; quick 8).")
     parser.add_argument("--max-files", type=int, default=None, help="stdlib files read (default all; quick 40).")
+    parser.add_argument(
+        "--epoch-unknown",
+        action="store_true",
+        help="the engines are not told the epoch's length, as ZenFlowAdamW in a plain loop (select_strategy='auto' "
+        "then re-selects on a step cadence; 'epoch' selects once).",
+    )
     args = bench_utils.apply_quick_defaults(
         parser.parse_args(argv),
         {
@@ -496,7 +514,8 @@ def finetune(row: Row, seed: int, setting: Setting) -> dict[str, Any]:
 
     def engine() -> ZenFlowEngine:
         names = {p: n for n, p in model.named_parameters()}
-        return ZenFlowEngine(optimizer, config, param_names=names, steps_per_epoch=setting.steps_per_epoch)
+        steps_per_epoch = None if args.epoch_unknown else setting.steps_per_epoch
+        return ZenFlowEngine(optimizer, config, param_names=names, steps_per_epoch=steps_per_epoch)
 
     with bench_train.stepping(optimizer, None if config is None else engine, setting.train_cores) as stepper:
         curve = bench_train.train(

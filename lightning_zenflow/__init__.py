@@ -2,14 +2,16 @@
 
 ``import lightning_zenflow`` registers the strategy names ``"zenflow"``, ``"zenflow_ddp"``,
 ``"zenflow_ddp_spawn"`` and ``"zenflow_fsdp"`` (Lightning has no entry-point discovery for strategies, so the import
-is what makes ``Trainer(strategy="zenflow")`` work). ``lightning_zenflow.ZenFlowAdamW`` is ZenFlow as a torch
-optimizer, for any other training loop.
+is what makes ``Trainer(strategy="zenflow")`` work), and Fabric's ``"zenflow"``: at once when Lightning is imported
+already, else when it is. ``lightning_zenflow.ZenFlowAdamW`` is ZenFlow as a torch optimizer, for any other training
+loop; importing it (or ``lightning_zenflow.engine``) imports no Lightning module. The Lightning classes
+(``ZenFlowStrategy``, ...) load at their first use.
 """
 
 import importlib
-import os
 from typing import Any
 
+from lightning_zenflow import registration
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import (
     HostResourceError,
@@ -32,33 +34,19 @@ _LIGHTNING_NAMES = {
     "ZenFlowTelemetry": "lightning_zenflow.strategies.telemetry",
 }
 
-# The spawned host worker imports this package only to reach lightning_zenflow.engine.host and needs no
-# Lightning, whose import costs seconds; engine/host.py sets this variable for the child it starts. The
-# Lightning names stay importable there, lazily.
-if os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1":
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
+# Lightning loads only when used: the names above import no Lightning module (nor jsonargparse), and the strategy
+# names are registered when the lightning package is imported, now or later (registration.py).
+registration.install()
 
-    from lightning_zenflow import cli_hint
-    from lightning_zenflow.integrations.fabric import ZenFlowFabricStrategy
-    from lightning_zenflow.strategies.base import CheckpointError
-    from lightning_zenflow.strategies.ddp import ZenFlowDDPStrategy
-    from lightning_zenflow.strategies.fsdp import ZenFlowFSDPStrategy
-    from lightning_zenflow.strategies.precision import ZenFlowPrecision
-    from lightning_zenflow.strategies.single import ZenFlowStrategy
-    from lightning_zenflow.strategies.telemetry import ZenFlowTelemetry
 
-    ZenFlowStrategy.register_strategies(StrategyRegistry)
-    ZenFlowDDPStrategy.register_strategies(StrategyRegistry)
-    ZenFlowFSDPStrategy.register_strategies(StrategyRegistry)
-    ZenFlowFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
-    cli_hint.install()  # your own LightningCLI: a hint when a knob is set on the short name
-else:
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_NAMES:
+        return getattr(importlib.import_module(_LIGHTNING_NAMES[name]), name)
+    raise AttributeError(f"module 'lightning_zenflow' has no attribute {name!r}")
 
-    def __getattr__(name: str) -> Any:
-        if name in _LIGHTNING_NAMES:
-            return getattr(importlib.import_module(_LIGHTNING_NAMES[name]), name)
-        raise AttributeError(f"module 'lightning_zenflow' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LIGHTNING_NAMES})
 
 
 __all__ = [

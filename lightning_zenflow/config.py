@@ -15,6 +15,10 @@ from typing import Literal
 
 SYNC_BOUNDARIES = ("validation", "epoch_end", "checkpoint")
 """Points at which the strategy can apply all host work in flight (see ``ZenFlowConfig.sync_on``)."""
+AUTO_SELECT_STEPS = 64
+"""``select_strategy="auto"`` where the epoch's length is unknown (``ZenFlowAdamW`` in a plain loop without
+``steps_per_epoch``, a Trainer on an endless data stream): the columns are chosen again every this many optimizer
+steps (docs/update_rule.md, "Selection")."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,9 @@ class ZenFlowConfig:
 
     select_strategy: Literal["auto", "step", "epoch"] = "auto"
     """When the important columns are re-chosen: every ``select_interval`` optimizer steps (``"step"``) or
-    epochs (``"epoch"``). ``"auto"`` means ``"epoch"`` with ``select_interval=1``."""
+    epochs (``"epoch"``). ``"auto"``: once per epoch where the epoch's length is known (the Trainer; ``ZenFlowAdamW``
+    given ``steps_per_epoch``), else every 64 optimizer steps (a plain loop, an endless data stream). ``"epoch"``
+    without a known epoch length selects once and never again."""
 
     select_interval: int | Literal["auto"] = "auto"
     """Refresh period in the unit of ``select_strategy``; must be ``"auto"`` when the strategy is ``"auto"``.

@@ -14,13 +14,17 @@ Lightning strategy drives (:class:`~lightning_zenflow.engine.ZenFlowEngine`); th
   read. A step with no gradient to apply (nothing requires grad, or no ``.grad`` yet) changes nothing, as AdamW's,
   and starts no engine; the step hooks (``register_step_pre_hook``, ...) run around every step.
 - AdamW's keywords are accepted at the values ZenFlow runs: ``maximize`` (either value: the gradients of a
-  ``maximize=True`` group are negated for the engine and put back after), ``amsgrad=False``, ``foreach``,
-  ``fused`` unset or False, ``capturable=False``, ``differentiable=False``; any other value is refused by name.
+  ``maximize=True`` group are negated for the engine and put back after), ``foreach`` and ``fused`` (any value, no
+  effect: they choose torch's implementation, not the numbers, and ZenFlow's kernels are always fused; a script that
+  passes ``fused=True`` on CUDA runs unchanged), ``amsgrad=False``, ``capturable=False``, ``differentiable=False``;
+  ``True`` for these three is refused by name, since it would change what is computed.
 - ``state_dict()`` is torch AdamW's format (full fp32 moments and a step per parameter, loadable by a plain
   ``torch.optim.AdamW``) plus the engine's exact extras under ``"zenflow"`` (the fp32 masters, the selection, the
   open window and a host update in flight), so a save and load continues bitwise. ``load_state_dict`` takes either.
-  The extras are keyed by parameter name (``model.named_parameters()``) or by position (``model.parameters()``); a
-  state loads by name when both optimizers were built with names, by position (group, index) otherwise.
+  The extras are keyed by position (``group0.param0``, as torch keys ``state``), so an optimizer built from
+  ``model.named_parameters()`` and one built from ``model.parameters()`` give the same state dict apart from torch's
+  ``param_names``; a state is checked by name on load when both optimizers were built with names, and by position
+  (group, index) and shape always.
 - ``copy.deepcopy(optimizer)`` (or pickling) gives an optimizer over the copied parameters that continues from the
   original's state: it starts its own engine and worker at its first step (nothing of the original's is shared).
 - ``flush()`` applies everything in flight (the end of training: call it before saving the final model);
@@ -54,11 +58,13 @@ STATE_KEY = "zenflow"
 """Where ``state_dict()`` keeps the engine's exact extras beside torch AdamW's ``state`` and ``param_groups``."""
 LIGHTNING_ONLY_KNOBS = ("sync_on", "log_telemetry", "checkpoint_format")
 """ZenFlowConfig fields that concern Lightning's Trainer only (its boundaries, loggers and checkpoint files)."""
-_OWN_KERNELS = "ZenFlowAdamW runs its own fused kernels on the device and the host"
+FACADE_KNOBS = tuple(f.name for f in fields(ZenFlowConfig) if f.name not in LIGHTNING_ONLY_KNOBS)
+"""The ZenFlow knobs ``ZenFlowAdamW`` takes: every ``ZenFlowConfig`` field but the Trainer's."""
+IMPLEMENTATION_OPTIONS = ("foreach", "fused")
+"""torch.optim.AdamW's keywords that choose an implementation of the same numbers: accepted with any value, no effect
+(ZenFlow's kernels are always fused, on the device and on the host). torch's own checks of them still run."""
 TORCH_OPTIONS: dict[str, tuple[tuple[object, ...], str]] = {
     "amsgrad": ((False,), "ZenFlow keeps no running maximum of the second moment; leave amsgrad unset (False)"),
-    "foreach": ((None, False), f"{_OWN_KERNELS}; leave foreach unset"),
-    "fused": ((None, False), f"{_OWN_KERNELS}; leave fused unset"),
     "capturable": (
         (False,),
         "ZenFlowAdamW's step hands work to a host worker process, which a CUDA graph cannot capture; leave "
@@ -70,7 +76,8 @@ TORCH_OPTIONS: dict[str, tuple[tuple[object, ...], str]] = {
         "(False)",
     ),
 }
-"""torch.optim.AdamW's keywords that ZenFlowAdamW accepts only at these values (``maximize`` takes either), and why."""
+"""torch.optim.AdamW's keywords that change what is computed, which ZenFlowAdamW accepts only at these values, and why
+(``maximize`` takes either value; :data:`IMPLEMENTATION_OPTIONS` any)."""
 
 
 class ZenFlowAdamW(torch.optim.AdamW):
@@ -80,8 +87,9 @@ class ZenFlowAdamW(torch.optim.AdamW):
         params: parameters or param groups, as for ``torch.optim.AdamW`` (``model.named_parameters()`` names the
             checkpoint entries; otherwise they are named by position).
         lr, betas, eps, weight_decay: AdamW's, per param group.
-        amsgrad, maximize, foreach, capturable, differentiable, fused: AdamW's keywords, accepted at the values
-            ZenFlow runs (:data:`TORCH_OPTIONS`); ``maximize=True`` is supported (per param group too).
+        amsgrad, maximize, foreach, capturable, differentiable, fused: AdamW's keywords. ``foreach`` and ``fused``
+            take any value and change nothing (:data:`IMPLEMENTATION_OPTIONS`); ``maximize=True`` is supported (per
+            param group too); ``amsgrad``, ``capturable`` and ``differentiable`` only at False (:data:`TORCH_OPTIONS`).
         topk_ratio ... worker_timeout_s: the ZenFlow knobs, documented in
             :class:`~lightning_zenflow.config.ZenFlowConfig` (the table in docs/knobs.md).
         ranks: the data-parallel ranks; ``None``: torch.distributed's default group when it is initialised with more
@@ -128,14 +136,10 @@ class ZenFlowAdamW(torch.optim.AdamW):
         steps_per_epoch: int | None = None,
         ranks: Ranks | None = None,
     ) -> None:
-        knobs = {
-            name: value
-            for name, value in locals().items()
-            if name in {f.name for f in fields(ZenFlowConfig)} and name not in LIGHTNING_ONLY_KNOBS
-        }
+        knobs = {name: value for name, value in locals().items() if name in FACADE_KNOBS}
         # validated before anything else: a wrong knob is a clear error at construction
         config = ZenFlowConfig(**knobs)
-        options = {name: value for name, value in locals().items() if name in TORCH_OPTIONS}
+        options = {name: value for name, value in locals().items() if name in (*TORCH_OPTIONS, *IMPLEMENTATION_OPTIONS)}
         _check_torch_options(options, where="")
         # before torch's __init__: it calls add_param_group, which reads this
         self._zenflow = _FacadeState(config=config, ranks=ranks, steps_per_epoch=steps_per_epoch)
@@ -282,7 +286,9 @@ class ZenFlowAdamW(torch.optim.AdamW):
                 return {**copied, "param_groups": super().state_dict()["param_groups"]}
             return super().state_dict()
         torch_state = engine.torch_state_dict()
-        torch_state[STATE_KEY] = engine.state_dict(include_moments=False)
+        extras = engine.state_dict(include_moments=False)
+        extras["params"] = _extras_by_position(extras["params"], self.param_groups, engine)
+        torch_state[STATE_KEY] = extras
         return torch_state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -339,7 +345,13 @@ class ZenFlowAdamW(torch.optim.AdamW):
             self._zenflow.copied_state = copied
 
     def __repr__(self) -> str:
-        return f"ZenFlowAdamW({self._zenflow.config!r}, {len(self.param_groups)} param groups)"
+        """torch's listing of the param groups, then the ZenFlow knobs as the constructor takes them."""
+        facade = self._zenflow
+        knobs = [f"{name}={getattr(facade.config, name)!r}" for name in FACADE_KNOBS]
+        if facade.steps_per_epoch is not None:
+            knobs.append(f"steps_per_epoch={facade.steps_per_epoch!r}")
+        listing = super().__repr__().rstrip()
+        return f"{listing[:-1]}ZenFlow: {', '.join(knobs)}\n)"
 
 
 class _FacadeState:
@@ -426,13 +438,40 @@ def _check_fits(state_dict: Mapping[str, Any], groups: list[dict[str, Any]]) -> 
 def _saved_key(
     extras: Mapping[str, Any], saved_group: Mapping[str, Any], group_index: int, position: int
 ) -> str | None:
-    """Where the engine's extras keep a saved parameter: under its name, or its position when it had none (a group
-    added after the engine started is named by position too)."""
+    """Where the engine's extras keep a saved parameter: under its position (what ``state_dict()`` writes), or its
+    name (states saved before the extras were keyed by position)."""
     names = saved_group.get("param_names")
-    for key in ([names[position]] if names else []) + [_positional_name(group_index, position)]:
+    for key in [_positional_name(group_index, position)] + ([names[position]] if names else []):
         if key in extras:
             return key
     return None
+
+
+def _engine_names(engine: ZenFlowEngine) -> dict[int, str]:
+    """``id(param)``: the name the engine keys that parameter's state by."""
+    names = {id(slot.param): slot.name for group in engine.layout for slot in group.matrices}
+    names.update({id(entry.param): entry.name for group in engine.layout for entry in group.device_only})
+    return names
+
+
+def _extras_by_position(
+    extras: Mapping[str, Any], groups: list[dict[str, Any]], engine: ZenFlowEngine
+) -> dict[str, Any]:
+    """The engine's extras keyed by each parameter's position (``group0.param0``) instead of the engine's names: the
+    same state gives the same dict whether the optimizer was built with names or not (torch's ``param_names`` are
+    optional and must not change a state dict). Entries of parameters no longer in the groups keep their key."""
+    engine_names = _engine_names(engine)
+    keyed, used = {}, set()
+    for group_index, group in enumerate(groups):
+        for position, param in enumerate(group["params"]):
+            name = engine_names.get(id(param))
+            if name is not None and name in extras:
+                keyed[_positional_name(group_index, position)] = extras[name]
+                used.add(name)
+    for name, entry in extras.items():
+        if name not in used:
+            keyed.setdefault(name, entry)
+    return keyed
 
 
 def _extras_by_engine_name(
@@ -441,8 +480,7 @@ def _extras_by_engine_name(
     """The saved extras re-keyed by the names of ``engine`` (its optimizer's parameters at the same positions, checked
     by :func:`_check_fits`). Entries left over stay under their own key, for the engine's check to report them (a
     parameter trainable on one side only)."""
-    engine_names = {id(slot.param): slot.name for group in engine.layout for slot in group.matrices}
-    engine_names.update({id(entry.param): entry.name for group in engine.layout for entry in group.device_only})
+    engine_names = _engine_names(engine)
     renamed, used = {}, set()
     for group_index, (saved_group, group) in enumerate(zip(saved_groups, engine.optimizer.param_groups)):
         for position, param in enumerate(group["params"]):

@@ -15,7 +15,7 @@
 #
 # LIGHTNING_TESTS_DIR: tests/tests_pytorch of Lightning's sources at the installed version (2.6.5's tree was used
 #   with lightning 2.6.6: no 2.6.6 tag exists), with tests/legacy beside it; TORCH_TEST_OPTIM_PY: PyTorch's
-#   test/test_optim.py. OUT_DIR (default peer_out/): per suite and mode <suite>_<mode>.xml (junit),
+#   test/test_optim.py, or - to run Lightning's suite only (env.txt then says the torch suite was skipped). OUT_DIR (default peer_out/): per suite and mode <suite>_<mode>.xml (junit),
 #   .outcomes.tsv (one line per test), .log; recheck_*.xml/.tsv; summary.txt and summary.json; classification.tsv
 #   and .txt (every failure's class from scripts/peer_suites/known_failures.tsv, and those no row matches).
 #
@@ -37,13 +37,17 @@ fi
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 lightning_tests="$(cd "$1" && pwd)" || exit 2
-torch_test="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
+if [[ "$2" == "-" ]]; then
+  torch_test=""
+else
+  torch_test="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
+fi
 out="$(mkdir -p "${3:-peer_out}" && cd "${3:-peer_out}" && pwd)" || exit 2
 python="${PYTHON:-python}"
 workers="${PEER_WORKERS:-2}"
 run_timeout="${PEER_RUN_TIMEOUT_S:-1500}"
 helpers="$repo/scripts/peer_suites"
-[[ -f "$lightning_tests/conftest.py" && -f "$torch_test" ]] || {
+[[ -f "$lightning_tests/conftest.py" && (-z "$torch_test" || -f "$torch_test") ]] || {
   echo "expected Lightning's tests/tests_pytorch and PyTorch's test/test_optim.py, got: $1 $2" >&2
   exit 2
 }
@@ -93,6 +97,7 @@ run_pytest() {
   "$python" -c "import lightning, torch, sys; print('lightning', lightning.__version__, 'torch', torch.__version__, \
 'python', sys.version.split()[0])"
   echo "cores: $(nproc)"
+  [[ -n "$torch_test" ]] || echo "torch's test_optim.py: skipped (no file given)"
 } >"$out/env.txt"
 lightning_args=(-c "$helpers/lightning.ini" --rootdir="$T/..")
 for mode in topk1 topk0 defaults; do
@@ -100,11 +105,13 @@ for mode in topk1 topk0 defaults; do
     "${lightning_slice[@]}"
 done
 
-torch_args=(-c "$helpers/torch.ini" --rootdir="$(dirname "$torch_test")" -p zenflow_torch_optim "$torch_test")
-for mode in topk1 topk0 defaults; do
-  # AdamW's own tests run beside ZenFlowAdamW's: the same test on torch's class is the reference
-  ZENFLOW_PEER_MODE=$mode run_pytest "torch_$mode" "${torch_args[@]}" -k "ZenFlowAdamW or AdamW_cpu"
-done
+if [[ -n "$torch_test" ]]; then
+  torch_args=(-c "$helpers/torch.ini" --rootdir="$(dirname "$torch_test")" -p zenflow_torch_optim "$torch_test")
+  for mode in topk1 topk0 defaults; do
+    # AdamW's own tests run beside ZenFlowAdamW's: the same test on torch's class is the reference
+    ZENFLOW_PEER_MODE=$mode run_pytest "torch_$mode" "${torch_args[@]}" -k "ZenFlowAdamW or AdamW_cpu"
+  done
+fi
 
 # class (c) or (b): the Lightning tests that failed under ZenFlow, on plain Lightning and with the optimizer swap only
 mapfile -t failed_ids < <("$python" "$helpers/summarize.py" failed "$T" "$out"/lightning_topk1.xml \

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.config import AUTO_SELECT_STEPS, ZenFlowConfig
 
 
 @dataclass(frozen=True)
@@ -461,6 +461,8 @@ class ReferenceZenFlow:
         else:
             epochs = 1 if config.select_strategy == "auto" else int(config.select_interval)
             self.refresh_period = None if steps_per_epoch is None else epochs * steps_per_epoch
+            if steps_per_epoch is None and config.select_strategy == "auto":
+                self.refresh_period = AUTO_SELECT_STEPS  # an epoch of unknown length: a step cadence
         self.t = 0
         self.t_select: int | None = None
         self.steps_in_window = 0

@@ -39,8 +39,9 @@ import pytest
 import torch
 from reference import ReferenceZenFlow, choose_columns, num_columns
 
-from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.config import AUTO_SELECT_STEPS, ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.export import adamw_state
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
 
@@ -252,13 +253,20 @@ def _assert_state(engine: ZenFlowEngine, opt: torch.optim.Optimizer, params: dic
             position += 1
     moments = ref.moments()
     assert {position_names[p] for p in torch_state} == set(moments)
+    betas = {id(param): group["betas"] for group in opt.param_groups for param in group["params"]}
     for position, entry in torch_state.items():
         name = position_names[position]
         exp_avg, exp_avg_sq = moments[name]
-        torch.testing.assert_close(entry["exp_avg"], exp_avg, atol=ATOL, rtol=RTOL, msg=f"exp_avg {name} {where}")
+        # the engine's moments (each side's, as the rule keeps them) ...
+        held = saved[name]
+        torch.testing.assert_close(held["exp_avg"], exp_avg, atol=ATOL, rtol=RTOL, msg=f"exp_avg {name} {where}")
         torch.testing.assert_close(
-            entry["exp_avg_sq"], exp_avg_sq, atol=ATOL, rtol=RTOL, msg=f"exp_avg_sq {name} {where}"
+            held["exp_avg_sq"], exp_avg_sq, atol=ATOL, rtol=RTOL, msg=f"exp_avg_sq {name} {where}"
         )
+        # ... and the torch format states them at the exported step (engine/export.py)
+        exported = adamw_state(held, betas[id(params[name])])
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(entry[key], exported[key]), f"exported {key} {name} {where}"
 
 
 def _run_against_reference(
@@ -388,28 +396,37 @@ def test_land_after_at_the_window_length_is_the_paper_rule() -> None:
                 assert torch.equal(params_a[name], params_b[name]), (name, t)
 
 
-def test_epoch_selection_without_steps_per_epoch_never_refreshes() -> None:
-    """select_strategy='auto' (= 'epoch', 1) used without steps_per_epoch: one selection at W+1, never again."""
+@pytest.mark.parametrize("strategy", ["auto", "epoch"])
+def test_without_steps_per_epoch_auto_refreshes_on_a_step_cadence_and_epoch_never(strategy: str) -> None:
+    """The engine used alone (``ZenFlowAdamW`` in a plain loop) does not know the epoch's length: ``"auto"`` then
+    re-selects every ``AUTO_SELECT_STEPS`` steps (at the first window end at or after it), ``"epoch"`` selects once at
+    W+1 and never again; the reference follows the same rule, to the bit."""
     params, opt = _build("adamw", seed=5)
     names = {param: name for name, param in params.items()}
-    config = ZenFlowConfig(topk_ratio=0.5, update_interval=2, full_warm_up_rounds=1, overlap_step=True)
+    knobs = {"select_strategy": "epoch", "select_interval": 1} if strategy == "epoch" else {}
+    config = ZenFlowConfig(topk_ratio=0.5, update_interval=2, full_warm_up_rounds=1, overlap_step=True, **knobs)
     ref = ReferenceZenFlow(opt.param_groups, names, config)
     generator = torch.Generator().manual_seed(6)
     refreshed = []
+    steps = 2 * AUTO_SELECT_STEPS + 10
     with ZenFlowEngine(opt, config, param_names=names) as engine:
-        for t in range(1, 10):
+        assert engine.refresh_every == (AUTO_SELECT_STEPS if strategy == "auto" else None)
+        for t in range(1, steps + 1):
             _set_hparams(opt, t)
             grads = _gradients(t, generator, params)
             for name, grad in grads.items():
                 params[name].grad = None if grad is None else grad.clone()
-            refreshed.append(engine.step().refreshed)
+            if engine.step().refreshed:
+                refreshed.append(t)
             ref.step(grads)
             _assert_weights(params, ref, f"after step {t}")
         engine.flush()
         ref.flush()
         _assert_weights(params, ref, "after the flush")
         _assert_state(engine, opt, params, ref, "after the flush")
-    assert refreshed == [False, True] + [False] * 7
+    # windows of 2 end at the odd steps: the first at or after 2 + 64 is 67, then 67 + 64 = 131
+    expected = [2, 2 + AUTO_SELECT_STEPS + 1, 2 + 2 * AUTO_SELECT_STEPS + 1] if strategy == "auto" else [2]
+    assert refreshed == expected
 
 
 # ------------------------------------------------------------------- the reference itself, without the engine

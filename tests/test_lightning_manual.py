@@ -133,18 +133,36 @@ def test_manual_optimization_is_refused_where_it_is_not_supported() -> None:
         _fit(WithSGD(), ZenFlowStrategy())
 
 
-def test_the_scheduler_names_the_optimizer_that_steps_and_the_monitor_logs_one_series(tmp_path: pathlib.Path) -> None:
-    """The StepLR built on the user's AdamW now names its ZenFlowAdamW: LearningRateMonitor logs one learning rate
-    (not one per object), and torch's scheduler checks raise no warning."""
+def test_the_learning_rate_monitor_names_the_series_after_the_users_optimizers(tmp_path: pathlib.Path) -> None:
+    """As in plain Lightning: one series per optimizer, named after the user's class (``lr-AdamW``; two Adams give
+    ``lr-Adam``, ``lr-Adam-1``), with a scheduler and without; torch's scheduler checks raise no warning."""
     import warnings
 
     from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import CSVLogger
 
-    monitor = LearningRateMonitor(logging_interval="step")
-    with warnings.catch_warnings():
-        # torch's scheduler checks: "optimizer.step() has been overridden", "... before optimizer.step()"
-        warnings.filterwarnings("error", message=".*(has been overridden|before `optimizer.step\\(\\)`).*")
-        trainer = _fit(OneOptimizer(), ZenFlowStrategy(**DEVICE_ONLY), logger=CSVLogger(tmp_path), callbacks=[monitor])
-    assert trainer.lr_scheduler_configs[0].scheduler.optimizer is trainer.optimizers[0]
-    assert len(monitor.lrs) == 1, monitor.lrs
+    class TwoAdamsWithSchedulers(TwoOptimizers):
+        def configure_optimizers(self) -> Any:
+            optimizers = [torch.optim.Adam(self.net[i].parameters(), lr=self.lr) for i in (0, 2)]
+            schedulers = [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5) for optimizer in optimizers]
+            return optimizers, schedulers
+
+        def on_train_epoch_end(self) -> None:
+            for scheduler in self.lr_schedulers():
+                scheduler.step()
+
+    cases = [
+        (OneOptimizer, ["lr-AdamW"]),
+        (TwoOptimizers, ["lr-Adam", "lr-AdamW"]),
+        (TwoAdamsWithSchedulers, ["lr-Adam", "lr-Adam-1"]),
+    ]
+    for kind, names in cases:
+        for interval in ("step", "epoch"):
+            monitor = LearningRateMonitor(logging_interval=interval)
+            with warnings.catch_warnings():
+                # torch's scheduler checks: "optimizer.step() has been overridden", "... before optimizer.step()"
+                warnings.filterwarnings("error", message=".*(has been overridden|before `optimizer.step\\(\\)`).*")
+                logger = CSVLogger(tmp_path / f"{kind.__name__}-{interval}")
+                _fit(kind(), ZenFlowStrategy(**DEVICE_ONLY), logger=logger, callbacks=[monitor], log_every_n_steps=1)
+            assert sorted(monitor.lrs) == names, (kind.__name__, interval)
+            assert all(monitor.lrs.values()), "every series logged"

@@ -38,6 +38,71 @@ def test_import_registers_zenflow_idempotently() -> None:
     assert lightning_zenflow.ZenFlowStrategy is ZenFlowStrategy
 
 
+def _fresh_interpreter(code: str) -> str:
+    """Run ``code`` in a new Python process (nothing imported yet) and return what it printed."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_optimizer_and_the_engine_import_no_lightning_module_and_cost_under_a_second_over_torch() -> None:
+    """``from lightning_zenflow import ZenFlowAdamW`` (and ``lightning_zenflow.engine``) in a fresh interpreter: no
+    ``lightning`` module and no jsonargparse in ``sys.modules``, and at most 1 s more than ``import torch``."""
+    out = _fresh_interpreter(
+        """
+        import sys, time
+        started = time.perf_counter()
+        import torch
+        torch_s = time.perf_counter() - started
+        started = time.perf_counter()
+        from lightning_zenflow import ZenFlowAdamW
+        import lightning_zenflow.engine
+        ours_s = time.perf_counter() - started
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "jsonargparse", "pytorch_lightning"))
+        print(repr((heavy, torch_s, ours_s)))
+        """
+    )
+    heavy, torch_s, ours_s = eval(out)  # noqa: S307 - our own subprocess's repr
+    assert heavy == []
+    assert ours_s < 1.0, f"import lightning_zenflow took {ours_s:.2f} s after torch ({torch_s:.2f} s)"
+
+
+@pytest.mark.parametrize("order", ["zenflow_first", "lightning_first", "submodule_first", "strategy_first"])
+def test_import_lightning_zenflow_registers_the_names_whenever_lightning_is_imported(order: str) -> None:
+    """``import lightning_zenflow`` in a Lightning program: the Trainer's and Fabric's names work whether Lightning is
+    imported before or after it (or only a submodule of it, or first by ``lightning_zenflow.ZenFlowStrategy``), and the
+    LightningCLI hint is installed when ``lightning.pytorch.cli`` is; the finder that waited is gone afterwards."""
+    imports = {
+        "zenflow_first": "import lightning_zenflow\nimport lightning",
+        "lightning_first": "import lightning\nimport lightning_zenflow",
+        "submodule_first": "import lightning_zenflow\nfrom lightning.pytorch import Trainer\nimport lightning",
+        # the first import of Lightning comes from one of this package's strategy modules
+        "strategy_first": "from lightning_zenflow import ZenFlowStrategy\nimport lightning",
+    }[order]
+    out = _fresh_interpreter(
+        imports
+        + """
+import sys
+from lightning_zenflow.registration import AfterImport
+trainer = lightning.Trainer(strategy="zenflow", accelerator="cpu", devices=1, logger=False)
+fsdp = lightning.Trainer(strategy="zenflow_fsdp", accelerator="cpu", devices=1, logger=False)
+fabric = lightning.Fabric(strategy="zenflow", accelerator="cpu", devices=1)
+names = [type(trainer.strategy).__name__, type(fsdp.strategy).__name__, type(fabric.strategy).__name__]
+cli_before = "jsonargparse" in sys.modules
+from lightning.pytorch.cli import LightningArgumentParser
+hint = getattr(LightningArgumentParser.error, "zenflow_hint", False)
+print(repr((names, cli_before, hint, any(isinstance(f, AfterImport) for f in sys.meta_path))))
+"""
+    )
+    names, jsonargparse_before_cli, hint, finder_left = eval(out.strip().splitlines()[-1])  # noqa: S307
+    assert names == ["ZenFlowStrategy", "ZenFlowFSDPStrategy", "ZenFlowFabricStrategy"]
+    assert not jsonargparse_before_cli, "LightningCLI's parser loads only with LightningCLI"
+    assert hint
+    assert not finder_left
+
+
 def test_a_training_script_importing_the_strategy_can_be_rerun_in_the_host_worker(tmp_path: pathlib.Path) -> None:
     # exactly what multiprocessing's spawn does with the parent's __main__ in the child (_fixup_main_from_path),
     # with the environment the host worker is started with

@@ -13,7 +13,7 @@ import lightning
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning_helpers import RecordWorkerPid, TinyModule, make_trainer, process_gone, weights
+from lightning_helpers import RecordWorkerPid, TinyModule, assert_weights_equal, make_trainer, process_gone, weights
 
 from lightning_zenflow import HostWorkerError, ZenFlowStrategy
 from lightning_zenflow.strategies.base import _SyncBoundaries
@@ -98,7 +98,10 @@ class _RecordCallbacks(Callback):
     def __init__(self) -> None:
         self.own_callbacks: list[int] = []
 
-    def on_train_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+    def on_fit_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.own_callbacks.append(sum(isinstance(c, (_SyncBoundaries, ZenFlowTelemetry)) for c in trainer.callbacks))
+
+    def on_train_epoch_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
         self.own_callbacks.append(sum(isinstance(c, (_SyncBoundaries, ZenFlowTelemetry)) for c in trainer.callbacks))
 
 
@@ -118,7 +121,8 @@ def test_the_same_trainer_fits_twice() -> None:
     assert len(module.train_losses) == 16
     assert all(not value.equal(after_first[name]) for name, value in weights(module).items()), "second fit trained"
     assert len(set(record.pids)) == 2, "each fit starts its own host worker"
-    assert callbacks.own_callbacks == [2, 2], "the strategy's callbacks are installed once per fit, never stacked"
+    # none at on_fit_start (trainer.callbacks as plain Lightning has them), two while training, never stacked
+    assert callbacks.own_callbacks == [0, 2, 0, 2]
     _assert_worker_gone(record)
 
 
@@ -154,8 +158,56 @@ def test_deep_copies_during_the_fit_change_nothing_and_leave_the_worker_alone() 
     assert set(copier.worker_pids) == set(pids.pids)
     assert len(pids.pids) == 1
     assert process_gone(pids.pids[0])
-    copied_sync = [c for c in copier.copies[0] if isinstance(c, _SyncBoundaries)]
+    assert not any(isinstance(c, _SyncBoundaries) for c in copier.copies[0]), "installed when training starts"
+    copied_sync = [c for c in copier.copies[1] if isinstance(c, _SyncBoundaries)]
     assert copied_sync
     assert copied_sync[0].strategy is trainer.strategy
     for name, value in weights(module).items():
         assert torch.equal(value, weights(plain)[name]), name
+
+
+class _CopyAtFitStart(Callback):
+    """Lightning's ``test_restore.py::test_callbacks_state_fit_ckpt_path``: a copy of the Trainer's callbacks taken at
+    ``on_fit_start``, where a progress bar already refers to the Trainer (and so to the strategy and its engine)."""
+
+    def on_fit_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
+        self.callbacks = copy.deepcopy(trainer.callbacks)
+        self.engine_ran = trainer.strategy.engine is not None
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"topk_ratio": 1.0, "full_warm_up_rounds": 0}, {"full_warm_up_rounds": 0, **HOST_EVERY_STEP}],
+    ids=["device_only", "host"],
+)
+def test_a_copy_of_the_callbacks_at_fit_start_works_and_matches_the_callbacks_after_the_fit(knobs: dict) -> None:
+    """The copy succeeds (the copied strategy holds no engine: none of the worker's handles is copied), the run is
+    bitwise the run without it, and ``trainer.callbacks`` at ``on_fit_start`` and after the fit are the same list
+    as in plain Lightning (ZenFlow's callbacks are there only while training runs)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    plain = TinyModule()
+    make_trainer(ZenFlowStrategy(**knobs)).fit(plain)
+    capture, module = _CopyAtFitStart(), TinyModule()
+    trainer = make_trainer(ZenFlowStrategy(**knobs), enable_progress_bar=True, callbacks=[capture, TQDMProgressBar()])
+    trainer.fit(module)
+    assert capture.engine_ran, "the engine runs at on_fit_start"
+    copied_bar = next(c for c in capture.callbacks if isinstance(c, TQDMProgressBar))
+    assert copied_bar.trainer is not trainer
+    assert copied_bar.trainer.strategy.engine is None
+    after = copy.deepcopy(trainer.callbacks)
+    assert [type(c) for c in after] == [type(c) for c in capture.callbacks]
+    assert_weights_equal(weights(module), weights(plain))
+
+
+def test_the_learning_rate_finder_runs_and_the_fit_after_it_has_the_strategys_callbacks() -> None:
+    """Lightning's learning-rate finder swaps the Trainer's callbacks for its own during its run and reads it back as
+    the first; ZenFlow's callbacks stay out of that run and join the fit that follows."""
+    from lightning.pytorch.tuner import Tuner
+
+    callbacks, module = _RecordCallbacks(), TinyModule()
+    trainer = make_trainer(ZenFlowStrategy(**{"full_warm_up_rounds": 0, **HOST_EVERY_STEP}), callbacks=[callbacks])
+    finder = Tuner(trainer).lr_find(module, min_lr=1e-4, max_lr=1e-1, num_training=6, early_stop_threshold=None)
+    assert len(finder.results["lr"]) == 6
+    trainer.fit(module)
+    assert callbacks.own_callbacks[-2:] == [2, 2], "both epochs of the fit ran with ZenFlow's callbacks"

@@ -140,7 +140,7 @@ def test_a_state_loads_between_named_and_positional_optimizers(saved_named: bool
     saved = copy.deepcopy(first.state_dict())
     first.close()
     assert saved["zenflow"]["progress"]["pending"] is not None, "a host update in flight"
-    assert ("0.weight" in saved["zenflow"]["params"]) == saved_named
+    assert sorted(saved["zenflow"]["params"]) == [f"group0.param{i}" for i in range(4)], "keyed by position"
     resumed = copy.deepcopy(model)
     at_save = copy.deepcopy(resumed.state_dict())
     with ZenFlowAdamW(_params(resumed, loaded_named), lr=1e-2, **SHORT) as second:
@@ -175,15 +175,12 @@ def test_a_state_of_other_parameters_is_refused_before_anything_is_loaded() -> N
         assert loader.param_groups[0]["lr"] == 1e-2
 
 
-def _by_position(state_dict: dict) -> dict:
-    """The state with the extras keyed by position and without ``param_names`` (names are optional in torch's
-    format, and the extras are keyed by them)."""
+def _without_names(state_dict: dict) -> dict:
+    """The state without ``param_names``: what torch's ``test_state_dict_deterministic`` lets differ between an
+    optimizer built with names and one built without."""
     state_dict = copy.deepcopy(state_dict)
-    params = state_dict["zenflow"]["params"]
-    for group_index, group in enumerate(state_dict["param_groups"]):
-        for position, name in enumerate(group.pop("param_names", [])):
-            if name in params:
-                params[f"group{group_index}.param{position}"] = params.pop(name)
+    for group in state_dict["param_groups"]:
+        group.pop("param_names", None)
     return state_dict
 
 
@@ -205,7 +202,8 @@ def _assert_states_equal(actual: object, expected: object) -> None:
 @pytest.mark.parametrize("named", [(False, False), (True, True), (True, False), (False, True)], ids=str)
 def test_state_dict_is_deterministic(named: tuple[bool, bool]) -> None:
     """torch's ``test_state_dict_deterministic``: two calls give equal states; a state loaded into an optimizer over
-    cloned parameters (built with or without names) runs in step with the original and gives an equal state."""
+    cloned parameters (built with or without names) runs in step with the original and gives an equal state, apart
+    from torch's own ``param_names`` (the engine's extras are keyed by position either way)."""
     weight = nn.Parameter(torch.randn(2, 3, generator=torch.Generator().manual_seed(1)))
     bias = nn.Parameter(torch.randn(2, generator=torch.Generator().manual_seed(2)))
     inputs = torch.randn(3, generator=torch.Generator().manual_seed(3))
@@ -233,7 +231,7 @@ def test_state_dict_is_deterministic(named: tuple[bool, bool]) -> None:
         optimizer_c.step()
         assert torch.equal(weight, weight_c)
         assert torch.equal(bias, bias_c)
-    _assert_states_equal(_by_position(optimizer_c.state_dict()), _by_position(optimizer.state_dict()))
+    _assert_states_equal(_without_names(optimizer_c.state_dict()), _without_names(optimizer.state_dict()))
     optimizer.close()
     optimizer_c.close()
 
@@ -279,6 +277,29 @@ def test_adamws_keywords_at_the_values_zenflow_runs_are_accepted() -> None:
         control = torch.optim.AdamW(_model().parameters(), 1e-2, (0.9, 0.99), 1e-8, 0.1, False, **kwargs)
         assert optimizer.state_dict()["param_groups"] == control.state_dict()["param_groups"]
         optimizer.close()
+
+
+@pytest.mark.parametrize("flags", [{"fused": True}, {"foreach": True}, {"fused": False, "foreach": False}], ids=str)
+def test_fused_and_foreach_are_accepted_with_any_value_and_change_no_number(flags: dict) -> None:
+    """As public training scripts build AdamW on CUDA (``AdamW(groups, lr=..., betas=..., fused=True)``): accepted, kept
+    in the param groups as AdamW keeps them, and the run is bitwise the run without the flag (the constructor's
+    arguments are all the flag reaches: no CUDA needed)."""
+    batches = _batches(12)
+
+    def run(**options):
+        model = _model()
+        groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "weight_decay": 0.0}]
+        with ZenFlowAdamW(groups, lr=1e-2, betas=(0.9, 0.95), **options, **SHORT) as optimizer:
+            assert all(group.get(name) == value for group in optimizer.param_groups for name, value in options.items())
+            _train(model, optimizer, batches)
+        return weights(model)
+
+    assert_weights_equal(run(**flags), run())
+    model = _model()
+    control = torch.optim.AdamW(model[0].parameters(), lr=1e-2, **flags)
+    with ZenFlowAdamW(model[0].parameters(), lr=1e-2, **flags) as optimizer:
+        assert optimizer.state_dict()["param_groups"] == control.state_dict()["param_groups"]
+        optimizer.add_param_group({"params": model[2].parameters(), **flags})  # a group may set them too
 
 
 @pytest.mark.parametrize(("name", "value"), [(name, True) for name in TORCH_OPTIONS])
@@ -409,3 +430,21 @@ def test_a_subclass_that_overrides_step_is_refused_in_this_process_too() -> None
         model(torch.ones(2, 8)).sum().backward()
         with pytest.raises(UnsupportedSetupError, match="OwnStateDict overrides state_dict of ZenFlowAdamW"):
             optimizer.step()
+
+
+def test_repr_shows_what_the_constructor_takes() -> None:
+    """torch's listing of the param groups, then the ZenFlow knobs as keywords of the constructor, and none of the
+    Trainer's knobs (``sync_on``, ``log_telemetry``, ``checkpoint_format``), which it refuses."""
+    import inspect
+
+    optimizer = ZenFlowAdamW(_model().parameters(), lr=1e-2, topk_ratio=0.2, steps_per_epoch=7)
+    text = repr(optimizer)
+    assert text.startswith("ZenFlowAdamW (\nParameter Group 0\n")
+    knobs_line = next(line for line in text.splitlines() if line.startswith("ZenFlow: "))
+    given = dict(item.split("=", 1) for item in knobs_line.removeprefix("ZenFlow: ").split(", "))
+    accepted = set(inspect.signature(ZenFlowAdamW).parameters)
+    assert set(given) <= accepted, set(given) - accepted
+    assert given["topk_ratio"] == "0.2"
+    assert given["steps_per_epoch"] == "7"
+    assert not {"sync_on", "log_telemetry", "checkpoint_format"} & set(given)
+    optimizer.close()

@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from lightning_zenflow.engine.notices import notice_once
 from lightning_zenflow.engine.rounding import lattice, round_bf16
 
 KERNELS_ENV = "LIGHTNING_ZENFLOW_KERNELS"
@@ -195,6 +196,11 @@ def resolve_kernel_mode(mode: str, device: torch.device) -> tuple[Literal["compi
     return "eager", missing
 
 
+KERNEL_BUILD_NOTICE = (
+    "the first steps with interim moves build their fused kernels with torch.compile (seconds; about 15-25 s on a "
+    "CPU with an empty compile cache; torch caches them on disk for later runs); interim_kernel='eager' skips the "
+    "build (about ten passes per step instead of one)."
+)
 _WARNED: set[str] = set()
 _COMPILE_LOCK = threading.Lock()
 _COMPILED: dict[str, Callable] = {}
@@ -238,6 +244,7 @@ class Kernels:
             if compiled is None:
                 with _COMPILE_LOCK:  # one wrapper per process, even with engines on several threads
                     compiled = _COMPILED.setdefault(name, torch.compile(fn, dynamic=True, fullgraph=True))
+            notice_once("kernel_build", KERNEL_BUILD_NOTICE)
             try:
                 # a call that builds a kernel raises before it runs any of it: nothing is half-written
                 return compiled(*args)

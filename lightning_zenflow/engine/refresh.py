@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
+from lightning_zenflow.config import AUTO_SELECT_STEPS, ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.ranks import Ranks
@@ -20,13 +20,14 @@ from lightning_zenflow.engine.selection import column_scores, top_columns
 
 
 def refresh_period(config: ZenFlowConfig, steps_per_epoch: int | None) -> int | None:
-    """Steps between refreshes; None while an epoch-based selection does not know the epoch's length."""
+    """Steps between refreshes. ``"auto"``: one epoch where its length is known, else :data:`AUTO_SELECT_STEPS`
+    steps (a plain loop, an endless data stream); None (never) while ``"epoch"`` does not know the epoch's length."""
     strategy = config.select_strategy
     if strategy == "step":
         return int(config.select_interval)
     epochs = 1 if strategy == "auto" else int(config.select_interval)
     if steps_per_epoch is None:
-        return None
+        return AUTO_SELECT_STEPS if strategy == "auto" else None
     if steps_per_epoch < 1:
         raise ValueError(f"steps_per_epoch={steps_per_epoch} must be >= 1.")
     return epochs * steps_per_epoch

@@ -15,6 +15,7 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine.host import HostWorker, MatrixExtent, WorkerGroup, WorkerSpec
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout
+from lightning_zenflow.engine.notices import notice_once
 from lightning_zenflow.engine.ranks import Ranks
 
 
@@ -86,6 +87,22 @@ class CoreBinding:
             self._saved_threads = None
 
 
+def _spans(cores: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    spans, start, previous = [], None, None
+    for core in sorted(cores):
+        if start is None:
+            start = previous = core
+        elif core == previous + 1:
+            previous = core
+        else:
+            spans.append(f"{start}-{previous}" if previous != start else f"{start}")
+            start = previous = core
+    if start is not None:
+        spans.append(f"{start}-{previous}" if previous != start else f"{start}")
+    return ",".join(spans)
+
+
 def own_cores(ranks: Ranks) -> list[int] | None:
     """This rank's share of the cores it may run on (None where affinity cannot be read)."""
     if not hasattr(os, "sched_getaffinity"):
@@ -127,6 +144,12 @@ def start_worker(
     train_cores, host_cores = config.core_split(own_cores(ranks))
     if config.bind_cores and hasattr(os, "sched_setaffinity") and train_cores != host_cores:
         binding.narrow(train_cores)
+        notice_once(
+            "bind_cores",
+            f"this process now runs on cores {_spans(train_cores)} with {len(train_cores)} torch thread(s), the host "
+            f"worker on {_spans(host_cores)}, until the optimizer is closed (the script's own work between steps "
+            "runs there too); bind_cores=False leaves the process as it is (pt_reserved_cores_perc sets the split).",
+        )
         worker_cores: tuple[int, ...] | None = tuple(host_cores)
     else:
         worker_cores = None

@@ -26,6 +26,7 @@ import torch
 
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.device import DeviceUpdater
+from lightning_zenflow.engine.export import adamw_state, add_exact_inverses, restore_exported
 from lightning_zenflow.engine.interim import InterimMoves
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, MatrixSlot
 from lightning_zenflow.engine.ranks import Ranks
@@ -271,6 +272,7 @@ def engine_state_dict(engine: ZenFlowEngine, include_moments: bool) -> dict:
     for name, window_sum in engine.window_sums().items():
         if name in params:  # data parallel: rank 0 only
             params[name]["grad_acc"] = window_sum
+    add_exact_inverses(params, engine)  # the torch-format moments are rescaled (export.py): a resume undoes it
     if not include_moments:
         for entry in params.values():
             for key in MOMENTS:
@@ -350,6 +352,7 @@ def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: 
     params = state["params"]
     check_progress(state["progress"], [len(group.matrices) for group in engine.layout])
     moments = moments_by_name(engine.layout, engine.optimizer, torch_state) if torch_state is not None else {}
+    moments = restore_exported(moments, params)  # the moments as the engine held them, bitwise (export.py)
     row_blocks = bool(state.get("row_blocks"))
 
     def own(slot: MatrixSlot, tensor: torch.Tensor) -> torch.Tensor:
@@ -447,12 +450,7 @@ def torch_state_dict(engine: ZenFlowEngine) -> dict:
         for param in group["params"]:
             name = by_id.get(id(param))
             if name is not None and name in merged:  # data parallel: rank 0 only
-                entry = merged[name]
-                state[position] = {
-                    "step": torch.tensor(float(max(entry["device_step"], entry["host_step"])), dtype=torch.float32),
-                    "exp_avg": entry["exp_avg"],
-                    "exp_avg_sq": entry["exp_avg_sq"],
-                }
+                state[position] = adamw_state(merged[name], group["betas"])  # the host side's count made AdamW's
             position += 1
     return {"state": state, "param_groups": layout_state["param_groups"]}
 

@@ -7,6 +7,7 @@ its ``step()`` is never called: ``ZenFlowPrecision.optimizer_step`` hands the gr
 
 from __future__ import annotations
 
+import copy
 import math
 import pathlib
 from collections.abc import Mapping
@@ -28,7 +29,8 @@ from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.state_checks import check_state, state_dict_mismatch, unreadable_checkpoint
-from lightning_zenflow.strategies.manual import ManualOptimizers, rebind_schedulers
+from lightning_zenflow.strategies.boundaries import SyncBoundaries as _SyncBoundaries
+from lightning_zenflow.strategies.manual import ManualOptimizers
 from lightning_zenflow.strategies.optimizer_view import OptimizerStateView
 from lightning_zenflow.strategies.precision import ZenFlowPrecision
 from lightning_zenflow.strategies.sharded import (
@@ -84,6 +86,20 @@ class ZenFlowStrategyBase:
         self._checkpoint_path: str | None = None
         self._own_callbacks: list[Callback] = []
 
+    def __deepcopy__(self, memo: dict) -> ZenFlowStrategyBase:
+        """A copy holds no running engine (its worker's pipe, its shared memory and its threads belong to this one):
+        where the copy would reach it, it has None. Lightning's own tests deep-copy ``trainer.callbacks`` (a progress
+        bar refers to the Trainer, and so to this strategy), at ``on_fit_start`` too; plain Lightning copies its
+        strategy whole there. A manually optimized module's ``ZenFlowAdamW`` copies carry its state (each starts its
+        own engine if it ever steps)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        if self.engine is not None:
+            memo[id(self.engine)] = None
+        # Lightning's own pickling state (it leaves out the LightningOptimizer wrappers and rebuilds them)
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
+
     def _engine_ranks(self) -> Ranks:
         """The data-parallel ranks the engine shards its host state across (one here)."""
         return Ranks()
@@ -138,7 +154,6 @@ class ZenFlowStrategyBase:
             row_offsets=self._engine_row_offsets(),
         ).start()
         self.precision_plugin.engine = self.engine
-        self._install_callbacks(trainer)
         if optimizer is self.optimizers[0] and self.engine.ranks.world == 1:
             # one process: the optimizer Lightning hands out shows the engine's state (a gather under data
             # parallel would need every rank, so there it keeps torch's own, empty, state)
@@ -214,20 +229,24 @@ class ZenFlowStrategyBase:
         steps = trainer.num_training_batches
         steps_per_epoch = steps if isinstance(steps, int) and steps > 0 else None
         self._manual = ManualOptimizers(self.optimizers, self.zenflow_config, names, steps_per_epoch)
-        rebind_schedulers(self.lr_scheduler_configs, self._manual.originals, self._manual.facades)
         self.optimizers = self._manual.facades
         self.precision_plugin.manual = self._manual
-        self._install_callbacks(trainer)
 
     _manual_supported = True
     """False where manual optimization is refused (FSDP2)."""
 
     def _install_callbacks(self, trainer: pl.Trainer) -> None:
+        """ZenFlow's callbacks join the Trainer's at the start of training (this strategy's ``on_train_start``, which
+        Lightning calls after the callbacks' own) and leave at teardown: before and after, ``trainer.callbacks`` is
+        what plain Lightning has (Lightning's own tests compare copies taken at ``on_fit_start`` and after the fit).
+        Before training starts there is nothing to sync (the sanity check runs before any step)."""
         self._own_callbacks = [_SyncBoundaries(self)]
         if self.zenflow_config.log_telemetry and not any(isinstance(c, ZenFlowTelemetry) for c in trainer.callbacks):
             self._own_callbacks.append(ZenFlowTelemetry())
         # ahead of the user's callbacks: the boundary sync must run before e.g. checkpointing sees the model
         trainer.callbacks[:0] = self._own_callbacks
+        for callback in self._own_callbacks:
+            callback.on_train_start(trainer, trainer.lightning_module)  # Lightning called the others' already
 
     def _remove_callbacks(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -242,6 +261,12 @@ class ZenFlowStrategyBase:
             steps = trainer.num_training_batches
             if isinstance(steps, int) and steps > 0:
                 self.engine.set_steps_per_epoch(math.ceil(steps / max(1, trainer.accumulate_grad_batches)))
+        installed = any(c is own for own in self._own_callbacks for c in trainer.callbacks)
+        # not during the learning-rate finder's run (it reads its own callback back as the first); installed again
+        # for the fit after it, which gets the Trainer's callbacks back as they were before the finder
+        tuning = any(type(c).__name__ == "_LRCallback" for c in trainer.callbacks)
+        if (self.engine is not None or self._manual is not None) and not installed and not tuning:
+            self._install_callbacks(trainer)
         super().on_train_start()
 
     @override
@@ -524,27 +549,3 @@ class ZenFlowStrategyBase:
             self.engine.load_state_dict(checkpoint[CHECKPOINT_KEY], torch_state=torch_state)
         else:
             self.engine.load_torch_state_dict(torch_state)
-
-
-class _SyncBoundaries(Callback):
-    """Applies host work in flight at the ``sync_on`` boundaries that Lightning reaches through callbacks.
-
-    It is the first callback of the Trainer, so the sync runs before the user's callbacks (and before the
-    LightningModule's and the strategy's own hooks, which Lightning calls after the callbacks) see the model.
-    """
-
-    def __init__(self, strategy: ZenFlowStrategyBase) -> None:
-        self.strategy = strategy
-
-    def __deepcopy__(self, memo: dict) -> _SyncBoundaries:
-        # a copy of the Trainer's callbacks (Lightning's own tests take one) refers to the same strategy: copying it
-        # would copy the running engine, its worker's pipe and shared memory, whose copies then close their handles
-        return type(self)(self.strategy)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "validation" in self.strategy.zenflow_config.sync_on:
-            self.strategy.sync()
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if "epoch_end" in self.strategy.zenflow_config.sync_on:
-            self.strategy.sync()

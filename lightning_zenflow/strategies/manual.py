@@ -3,9 +3,11 @@
 A LightningModule that steps its optimizers itself (a GAN's generator and discriminator, several Adams) returns
 them from ``configure_optimizers`` as usual. At setup each ``torch.optim.Adam``/``AdamW`` becomes a
 :class:`~lightning_zenflow.ZenFlowAdamW` with the strategy's knobs over the *same* param-group dicts (so an LR
-scheduler built on the original optimizer, which writes those dicts, drives it), and ``self.optimizers()`` hands
-those out: ``self.manual_backward(loss)``, ``opt.step()`` and ``opt.zero_grad()`` run ZenFlow's rule, each optimizer
-with its own engine and host worker. A ``ZenFlowAdamW`` returned by ``configure_optimizers`` is taken as it is.
+scheduler built on the original optimizer, which writes those dicts, drives it; the scheduler keeps naming the
+original, and the facade's ``optimizer`` attribute is the original, so ``LearningRateMonitor`` names its series after
+the user's optimizers as plain Lightning does), and ``self.optimizers()`` hands those out:
+``self.manual_backward(loss)``, ``opt.step()`` and ``opt.zero_grad()`` run ZenFlow's rule, each optimizer with its own
+engine and host worker. A ``ZenFlowAdamW`` returned by ``configure_optimizers`` is taken as it is.
 
 Checkpoints hold each optimizer's state as ``ZenFlowAdamW.state_dict()`` gives it (torch AdamW's format plus the
 engine's exact extras under ``"zenflow"``): plain Lightning and AdamW read it, and ZenFlow resumes it exactly. The end
@@ -22,28 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS
-from lightning_zenflow.optim import ZenFlowAdamW
-
-_FACADE_KNOBS = {
-    "topk_ratio",
-    "update_interval",
-    "select_strategy",
-    "select_interval",
-    "full_warm_up_rounds",
-    "overlap_step",
-    "land_after",
-    "overlap_after",
-    "interim_step",
-    "interim_kernel",
-    "accumulate_on",
-    "host_state",
-    "importance",
-    "host_threads",
-    "pt_reserved_cores_perc",
-    "bind_cores",
-    "worker_timeout_s",
-}
-"""The knobs of ``ZenFlowConfig`` that ``ZenFlowAdamW`` takes (the rest are the Trainer's business)."""
+from lightning_zenflow.optim import FACADE_KNOBS, ZenFlowAdamW
 
 
 class ManualOptimizers:
@@ -132,7 +113,7 @@ def _facade_of(
                 f"optimizer {index}, param group {group_index} sets amsgrad=True, which ZenFlow does not support; "
                 "set amsgrad=False."
             )
-    knobs = {name: getattr(config, name) for name in _FACADE_KNOBS}
+    knobs = {name: getattr(config, name) for name in FACADE_KNOBS}
     params = [{"params": list(group["params"])} for group in optimizer.param_groups]
     facade = ZenFlowAdamW(params, **knobs, steps_per_epoch=steps_per_epoch)
     for group_index, group in enumerate(optimizer.param_groups):
@@ -144,31 +125,20 @@ def _facade_of(
     # the same dicts: a scheduler built on the original optimizer (or anything that edits its groups) drives this one;
     # an Adam's groups carry decoupled_weight_decay=False, which the engine reads, so an Adam stays Adam
     facade.param_groups = optimizer.param_groups
-
+    # the optimizer it stands for, where wrappers keep it (DeepSpeed's, accelerate's): LearningRateMonitor names the
+    # series after it ("lr-Adam", as plain Lightning does) and counts each optimizer once
+    facade.optimizer = optimizer  # type: ignore[attr-defined]
+    _mark_steps(facade, optimizer)
     return facade
 
 
-def rebind_schedulers(configs: Sequence[Any], originals: Sequence[torch.optim.Optimizer], facades: Sequence) -> None:
-    """Each LR scheduler built on an original optimizer now names its ZenFlowAdamW (the same param-group dicts):
-    Lightning's ``LearningRateMonitor`` and the scheduler's own checks see one optimizer, the one that steps."""
-    for config in configs:
-        scheduler = config.scheduler
-        for original, facade in zip(originals, facades):
-            if getattr(scheduler, "optimizer", None) is original and facade is not original:
-                scheduler.optimizer = facade
-                _track_steps(facade)
-
-
-def _track_steps(facade: ZenFlowAdamW) -> None:
-    """What a scheduler does to the optimizer it is built on (torch marks ``step`` and counts its calls), for the
-    facade it now names, so that it does not warn that ``step`` was replaced or not called."""
-    if getattr(facade.step, "_wrapped_by_lr_sched", False):
-        return
+def _mark_steps(facade: ZenFlowAdamW, original: torch.optim.Optimizer) -> None:
+    """The LR schedulers stay built on the user's optimizer (whose ``step`` torch wraps to see that it ran before the
+    scheduler's): each step of its ``ZenFlowAdamW`` marks the original as stepped, so torch does not warn."""
     step = facade.step
 
-    def tracked_step(*args: Any, **kwargs: Any) -> Any:
-        facade._opt_called = True  # type: ignore[attr-defined]
+    def marked_step(*args: Any, **kwargs: Any) -> Any:
+        original._opt_called = True  # type: ignore[attr-defined]
         return step(*args, **kwargs)
 
-    tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    facade.step = tracked_step  # type: ignore[method-assign]
+    facade.step = marked_step  # type: ignore[method-assign]

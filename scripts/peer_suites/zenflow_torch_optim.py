@@ -10,9 +10,10 @@ selects those with ``-k ZenFlowAdamW``.
 
 The entry is AdamW's (``optim_inputs_func``, ``optim_error_inputs_func``, ``scheduler_inputs``, decorators, skips),
 less what ZenFlowAdamW documents that it refuses, so that a test reaches the numbers instead of stopping at the first
-refused input: ``supported_impls=()`` (no ``foreach``/``fused``/``differentiable`` variants),
-``has_capturable_arg=False`` and ``supports_fused_on=()``, and the inputs with ``amsgrad=True`` or ``capturable=True``
-dropped. With ``ZENFLOW_PEER_TORCH_VERBATIM=1`` the entry is AdamW's unchanged (every refusal then fails its test).
+refused input: no ``differentiable`` variant in ``supported_impls`` (the ``foreach`` and ``fused`` ones stay: they are
+accepted and change nothing), ``has_capturable_arg=False``, and the inputs with ``amsgrad=True`` or
+``capturable=True`` dropped. With ``ZENFLOW_PEER_TORCH_VERBATIM=1`` the entry is AdamW's unchanged (every refusal
+then fails its test).
 
 test_optim.py also imports ``TestLRScheduler``, ``TestDifferentiableOptimizer`` and ``TestSWAUtils`` from
 PyTorch's ``test/optim/`` folder, which tests nothing of an optimizer's own: empty stand-ins are installed for them
@@ -83,8 +84,8 @@ def _zenflow_entry() -> common_optimizers.OptimizerInfo:
             return [optim_input for optim_input in adamw_inputs(device, dtype) if _accepted(optim_input)]
 
         entry.optim_inputs_func = optim_inputs_func
-        entry.supported_impls = ()
-        entry.supports_fused_on = ()
+        # foreach and fused are accepted (no effect: the same numbers); differentiable=True is refused
+        entry.supported_impls = tuple(impl for impl in adamw.supported_impls if impl != "differentiable")
         entry.has_capturable_arg = False
     return entry
 
