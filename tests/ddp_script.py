@@ -105,6 +105,8 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+import memory_probe  # noqa: E402
+
 import lightning_zenflow  # noqa: E402
 from lightning_zenflow.engine import spares  # noqa: E402
 
@@ -119,6 +121,13 @@ class Record(Callback):
         self.link: list[tuple[int, int]] = []
         self.worker_pid: int | None = None
         self.device_bytes: dict[str, int] = {}
+        self.memory: dict[str, int | None] = {}
+        self.segments_before: set[str] = set()
+
+    def setup(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule, stage: str) -> None:
+        # before the strategy builds the engine: the shared segments that are not the engine's
+        if os.path.exists("/proc/self/maps"):
+            self.segments_before = set(memory_probe.shared_segments())
 
     def on_train_start(self, trainer: lightning.Trainer, pl_module: lightning.LightningModule) -> None:
         # what Ctrl-C will do here (the Ctrl-C test checks it before it signals): an inherited SIG_IGN would ignore it
@@ -144,6 +153,9 @@ class Record(Callback):
         self.device_bytes["zenflow"] = engine.last_stats.device_bytes
         self.host_bytes = engine.last_stats.host_bytes
         self.link.append((engine.last_stats.d2h_bytes, engine.last_stats.h2d_bytes))
+        if os.path.exists("/proc/self/maps") and trainer.global_step == trainer.max_steps:
+            # the last step: every window but the last two has landed, so the worker has run an update over every row
+            self.memory = memory_probe.probe(engine, self.segments_before)
         if trainer.global_step == self.kill_worker_at and trainer.global_rank == self.fault_rank:
             os.kill(engine.worker_pid, signal.SIGKILL)
         if trainer.global_step == self.fail_at and trainer.global_rank == self.fault_rank:
@@ -217,6 +229,7 @@ def fit(out: pathlib.Path, options: dict) -> None:
         "global_step": trainer.global_step,
         "host_bytes": record.host_bytes,
         "device_bytes": record.device_bytes,
+        "memory": record.memory,
         "link": record.link,
         "worker_pid": record.worker_pid,
         "strategy": type(trainer.strategy).__name__,

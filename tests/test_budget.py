@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from memory_probe import assert_holds_what_it_counts, probe, shared_rows, shared_segments
 from torch import nn
 
 from lightning_zenflow.config import ZenFlowConfig
@@ -66,12 +67,7 @@ def test_the_budget_equals_what_a_running_engine_holds(knobs: dict, dtype: torch
         assert engine.device_bytes() == device_bytes(matrices, vectors, config, host_format, "cpu", interim)
         # the shared rows are what the process holds in /dev/shm: each a segment of its own bytes (whole pages)
         page = os.sysconf("SC_PAGE_SIZE")
-        rows = [
-            row
-            for host in engine.host_buffers
-            for row in (host.exp_avg, host.exp_avg_sq, host.step_shared, *host.windows, host.master)
-            if row is not None
-        ]
+        rows = shared_rows(engine)
         assert all(row.is_shared() for row in rows)
         segments = {row.untyped_storage().data_ptr(): row.untyped_storage().nbytes() for row in rows}
         assert sum(segments.values()) == sum(row.nbytes for row in rows)  # a row is its whole segment
@@ -101,50 +97,28 @@ def test_bytes_per_parameter_of_the_default_and_the_exact_state() -> None:
         assert (device - landing - small) / params == pytest.approx(16 * 0.1 + window_device, abs=0.002)
 
 
-def _shared_segments() -> dict[str, int]:
-    """The shared-memory segments mapped into this process (from /proc/self/maps, unlinked ones too): name -> bytes."""
-    segments: dict[str, int] = {}
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) > 5 and fields[5].startswith("/dev/shm/"):
-                start, stop = (int(x, 16) for x in fields[0].split("-"))
-                segments[fields[5]] = segments.get(fields[5], 0) + stop - start
-    return segments
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps to see shared mappings")
 @pytest.mark.parametrize("host_state", ["bf16", "fp32"])
 def test_the_shared_memory_the_process_maps_is_what_the_engine_counts(host_state: str) -> None:
     """A 2048 x 2048 bf16 matrix: the segments of /dev/shm this process maps for the engine (its own, read from
     /proc/self/maps, whatever else uses /dev/shm meanwhile) add up to the engine's count of its shared host bytes,
     each rounded up to whole pages (6 B per element in the compact state, 16 in the exact one with a master for the
-    bf16 weights), and are unmapped at close."""
+    bf16 weights), the host worker holds them resident once it has run an update, and they are unmapped at close.
+    The data-parallel and FSDP2 fits check the same per rank (test_lightning_ddp.py, test_lightning_fsdp.py)."""
     weight = nn.Parameter(torch.randn(2048, 2048).to(torch.bfloat16))
     opt = torch.optim.AdamW([weight], lr=1e-3)
     config = ZenFlowConfig(full_warm_up_rounds=0, host_state=host_state, interim_step=0)
-    before = _shared_segments()
+    before = set(shared_segments())
     engine = ZenFlowEngine(opt, config, param_names={weight: "weight"}).start()
     try:
-        weight.grad = torch.randn_like(weight)
-        engine.step()
-        ours = {name: size for name, size in _shared_segments().items() if name not in before}
-        counted = engine.host_bytes()
-        assert counted / weight.numel() == pytest.approx(6 if host_state == "bf16" else 16, abs=0.01)
-        page = os.sysconf("SC_PAGE_SIZE")
-        rows = [
-            row
-            for host in engine.host_buffers
-            for row in (host.exp_avg, host.exp_avg_sq, host.step_shared, *host.windows, host.master)
-            if row is not None
-        ]
-        rows += list(engine.unselected_shared)
-        assert sum(row.nbytes for row in rows) == counted  # every counted byte is a shared row
-        in_pages = sum(-(-row.nbytes // page) * page for row in rows)
-        # the worker's heartbeat (one page) is mapped too; nothing else
-        assert in_pages <= sum(ours.values()) <= in_pages + page, (sum(ours.values()), in_pages)
-        del rows  # the test's own references
+        for _ in range(8):  # two windows: the first window's update reads and writes every host row
+            weight.grad = torch.randn_like(weight)
+            engine.step()
+        engine.wait_for_update()
+        held = probe(engine, before)
+        assert held["counted_host"] / weight.numel() == pytest.approx(6 if host_state == "bf16" else 16, abs=0.01)
+        assert_holds_what_it_counts(held)
     finally:
         engine.close()
     gc.collect()
-    assert not set(_shared_segments()) - set(before), "a shared segment is still mapped after close()"
+    assert not set(shared_segments()) - before, "a shared segment is still mapped after close()"

@@ -28,6 +28,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_helpers import assert_weights_close, assert_weights_equal, make_trainer, process_gone
+from memory_probe import assert_holds_what_it_counts
 from rank_zygote import Zygote
 
 SCRIPT = pathlib.Path(__file__).parent / "ddp_script.py"
@@ -160,6 +161,19 @@ def test_two_ranks_equal_one_rank_with_the_doubled_batch(fits: Fits) -> None:
     assert two[0]["host_bytes"] < 0.75 * one[0]["host_bytes"]
     d2h_one = sum(d for d, _ in one[0]["link"])
     assert sum(d for d, _ in two[0]["link"]) + sum(d for d, _ in two[1]["link"]) == d2h_one
+
+
+def test_each_rank_holds_what_it_counts_and_the_machine_what_one_rank_holds(fits: Fits) -> None:
+    """Per rank, the engine's host and device bytes equal ``engine/budget.py``'s formulas, the /dev/shm segments the
+    rank maps and its worker holds resident are those rows (tests/memory_probe.py); per machine, the two ranks' host
+    rows cover the one rank's elements exactly once."""
+    one = fits.get(devices=1, strategy=KNOBS, batch_size=8)
+    two = fits.get(devices=2, strategy=KNOBS, batch_size=4)
+    for result in (*one, *two):
+        assert_holds_what_it_counts(result["memory"])
+    assert sum(result["memory"]["elements"] for result in two) == one[0]["memory"]["elements"]
+    per_element = {result["memory"]["counted_host"] - result["memory"]["rows"] for result in (*one, *two)}
+    assert per_element == {0}
 
 
 def test_gradient_accumulation_across_ranks(fits: Fits) -> None:

@@ -23,6 +23,7 @@ import test_lightning_ddp
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_helpers import assert_weights_close, assert_weights_equal
+from memory_probe import assert_holds_what_it_counts
 from rank_zygote import Zygote
 from test_lightning_ddp import assert_nothing_left, run_script
 
@@ -133,6 +134,18 @@ def test_device_and_host_bytes_per_rank_fall_as_one_over_w(fits: Fits) -> None:
         assert 0 <= kept < 0.2 * at[1], (kind, at)
         assert at[3] == (at[1] - kept) / 3 + kept, (kind, at)
         assert all(_bytes(result, kind) == at[world] for world, ranks in by_world.items() for result in ranks)
+
+
+def test_each_rank_holds_what_it_counts(fits: Fits) -> None:
+    """Per rank of the 1-, 2- and 3-rank fits: the engine's bytes equal ``engine/budget.py``'s formulas for its shards
+    and the shared memory the rank maps and its worker holds is what it counts (tests/memory_probe.py)."""
+    by_world = {1: fits.get(1, strategy=KNOBS)[1], 2: fits.get(2, strategy=KNOBS, checkpoint_every=4)[1]}
+    by_world[3] = fits.get(3, strategy=KNOBS)[1]
+    for ranks in by_world.values():
+        for result in ranks:
+            assert_holds_what_it_counts(result["memory"])
+    elements = {world: sum(result["memory"]["elements"] for result in ranks) for world, ranks in by_world.items()}
+    assert elements[2] == elements[3] == elements[1]  # the shards' host rows cover the model once per machine
 
 
 def _bytes(result: dict, kind: str) -> int:
