@@ -31,6 +31,8 @@ def _gpu_env():
     return module
 
 
+if sys.version_info < (3, 11):
+    pytest.skip("scripts/gpu_env.py reads pyproject.toml with tomllib (Python >= 3.11)", allow_module_level=True)
 gpu_env = _gpu_env()
 
 
