@@ -20,16 +20,12 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import sys
+import tomllib
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10: tomllib is new in 3.11
-    tomllib = None
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE_FILE = ROOT / "scripts" / "gpu_machine.txt"
@@ -89,10 +85,7 @@ def not_carried(path: Path = WHEELS_FILE) -> set[str]:
 def project_requirements(extras: tuple[str, ...] | None = None) -> list[tuple[str, Requirement]]:
     """``(group, requirement)`` for pyproject.toml's dependencies (group "dependencies") and the named extras (all of
     them by default), in file order."""
-    text = (ROOT / "pyproject.toml").read_text()
-    if tomllib is None:  # pragma: no cover
-        raise RuntimeError("reading pyproject.toml needs Python >= 3.11 (tomllib)")
-    project = tomllib.loads(text)["project"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     optional = project.get("optional-dependencies", {})
     groups = [("dependencies", project.get("dependencies", []))]
     names = extras if extras is not None else tuple(optional)

@@ -2,7 +2,7 @@
 # The test suite on the versions the project claims (docs/development.md, "Supported versions"): each row in its own
 # virtual environment under .venvs/ (git-ignored), the README's test command in each, one row after another.
 #
-#   oldest   the floors of pyproject.toml: its lowest Python (3.10), torch and lightning at their lowest allowed
+#   oldest   the floors of pyproject.toml: its lowest Python (3.11), torch and lightning at their lowest allowed
 #            versions (read from pyproject.toml), the rest of ".[test]" as pip resolves it
 #   gpu      Python 3.12, the GPU machine's versions (the pinned lines of scripts/gpu_machine.txt: torch 2.11,
 #            Lightning 2.6.6, transformers 5.17, ...) and the wheels that travel there (scripts/gpu_wheels.txt)
@@ -15,8 +15,8 @@
 # Exit status: 0 when every row's tests passed.
 #
 # Linux wheels of torch on the package index are CUDA builds, several GB each with their libraries: they run on a
-# CPU. Disk: about 5 GB per row. Environment: PYTHON310, PYTHON312, PYTHON313 (the interpreters, default
-# python3.10, python3.12, python3.13); MATRIX_WORKERS (pytest -n, default 3); MATRIX_CLEAN=1 removes a row's
+# CPU. Disk: about 5 GB per row. Environment: PYTHON311, PYTHON312, PYTHON313 (the interpreters, default
+# python3.11, python3.12, python3.13); MATRIX_WORKERS (pytest -n, default 3); MATRIX_CLEAN=1 removes a row's
 # environment after its run. A constraints file that pip is configured with is not applied to the rows
 # (PIP_CONSTRAINT=/dev/null): each row names its own versions.
 set -uo pipefail
@@ -41,7 +41,7 @@ pins() {
 row_spec() {
   case "$1" in
     oldest)
-      python="${PYTHON310:-python3.10}"
+      python="${PYTHON311:-python3.11}"
       install=("torch==$(floor torch)" "lightning==$(floor lightning)" -e ".[test]")
       ;;
     gpu)

@@ -31,8 +31,6 @@ def _gpu_env():
     return module
 
 
-if sys.version_info < (3, 11):
-    pytest.skip("scripts/gpu_env.py reads pyproject.toml with tomllib (Python >= 3.11)", allow_module_level=True)
 gpu_env = _gpu_env()
 
 
@@ -250,3 +248,19 @@ def test_docs_development_records_the_floors_as_a_tested_row() -> None:
     oldest = next(line for line in section.splitlines() if line.startswith("| oldest"))
     assert f"torch {_floor('torch')}" in oldest, oldest
     assert f"Lightning {_floor('lightning')}" in oldest, oldest
+
+
+def test_the_matrix_oldest_row_installs_pyprojects_floors() -> None:
+    """scripts/version_matrix.sh reads its oldest row's pins off pyproject.toml: raising a floor moves the row."""
+    script = (SCRIPTS / "version_matrix.sh").read_text()
+    floor_function = re.search(r"^floor\(\) \{\n.*?^\}\n", script, flags=re.M | re.S).group(0)
+    for name in ("torch", "lightning"):
+        process = subprocess.run(
+            ["bash", "-c", f"{floor_function}\nfloor {name}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+        assert process.stdout.strip() == _floor(name)
