@@ -42,8 +42,7 @@ class RefHyperParams:
             beta2=float(beta2),
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
-            # torch < 2.7: AdamW's groups carry no such key (the tests give Adam groups theirs explicitly)
-            decoupled=bool(group.get("decoupled_weight_decay", True)),
+            decoupled=bool(group["decoupled_weight_decay"]),
         )
 
 

@@ -30,7 +30,6 @@ knob at least once (pairwise coverage, checked by ``test_grid_covers_every_pair`
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 from dataclasses import dataclass
@@ -57,8 +56,6 @@ PARAMS = (  # name, shape, group
     ("sparse.weight", (4, 7), 2),
     ("scale", (), 2),
 )
-ADAM_DECOUPLES = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
-"""torch >= 2.7: Adam takes decoupled_weight_decay per group; before, only the engine and the reference read it."""
 FROZEN = "frozen.weight"
 TIED = "wide.weight"
 GROUPS = (
@@ -178,8 +175,8 @@ def _build(optimizer: str, seed: int, dtype: torch.dtype = torch.float32):
     groups = []
     for index, hparams in enumerate(GROUPS):
         group = {"params": [params[name] for name, _, g in PARAMS if g == index], **hparams}
-        if optimizer == "adamw" and ADAM_DECOUPLES:
-            del group["decoupled_weight_decay"]  # AdamW sets it itself (torch >= 2.7)
+        if optimizer == "adamw":
+            del group["decoupled_weight_decay"]
         groups.append(group)
     opt = torch.optim.Adam(groups) if optimizer == "adam-mixed" else torch.optim.AdamW(groups)
     return params, opt
@@ -423,8 +420,6 @@ def test_reference_column_choice() -> None:
 )
 def test_reference_degenerate_cases_equal_torch(ratio: float, overlap: bool, optimizer: str) -> None:
     """The reference is right where torch can tell: rho=1 (any S) and rho=0, S=1, no overlap are torch Adam/AdamW."""
-    if optimizer == "adam-mixed" and not ADAM_DECOUPLES:
-        pytest.skip("torch < 2.7: Adam has no decoupled_weight_decay, so it cannot run the mixed groups")
     params, opt = _build(optimizer, seed=3)
     names = {param: name for name, param in params.items()}
     interval = 3 if ratio == 1.0 else 1

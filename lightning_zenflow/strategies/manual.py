@@ -135,8 +135,6 @@ def _facade_of(
     params = [{"params": list(group["params"])} for group in optimizer.param_groups]
     facade = ZenFlowAdamW(params, **knobs, steps_per_epoch=steps_per_epoch)
     for group_index, group in enumerate(optimizer.param_groups):
-        # torch < 2.7 gives Adam's groups no decoupled_weight_decay key: without it the facade's AdamW default applies
-        group.setdefault("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
         # checkpoints key the engine's extras by the module's names (positions where a parameter has none)
         fallback = f"optimizer{index}.group{group_index}.param"
         group.setdefault(
