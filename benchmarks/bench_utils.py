@@ -120,7 +120,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     import lightning_zenflow
 
     info: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": cpu_model_name(),
         "cpu_count": os.cpu_count(),
         "available_cores": len(available_cores()),

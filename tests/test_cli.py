@@ -5,6 +5,7 @@ knob overrides, one-line errors for bad knobs, the strategy's --help, and the ex
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -178,7 +179,8 @@ def test_strategy_help_lists_every_knob_with_default_and_meaning(capsys: pytest.
         main(["fit", "--trainer.strategy.help", "zenflow"])
     assert exit_info.value.code in (0, None)
     help_text = capsys.readouterr().out
-    meanings = dict(re.findall(r"^ {8}(\w+): (.+)$", ZenFlowStrategy.__doc__ or "", flags=re.M))
+    # cleandoc: Python 3.13 strips a docstring's indentation when compiling, earlier versions keep it
+    meanings = dict(re.findall(r"^ {4}(\w+): (.+)$", inspect.cleandoc(ZenFlowStrategy.__doc__ or ""), flags=re.M))
     for knob in (field.name for field in ZenFlowConfig.__dataclass_fields__.values()):
         # the option's entry (indented by two spaces; the usage lines above list it too) up to the next one
         block = help_text.split(f"\n  --trainer.strategy.{knob} ", 1)[1].split("\n  --", 1)[0]
