@@ -74,11 +74,12 @@ class ZenFlowConfig:
     matrix element a step with fp32 weights, 6.5 B with bf16 (``interim_kernel``); O(rows + columns) fp32 of state."""
 
     interim_kernel: Literal["auto", "compiled", "eager"] = "auto"
-    """How the interim moves' elementwise passes run: ``"compiled"`` builds each with ``torch.compile`` into one fused
-    kernel (C++ on a CPU, which needs a C++ compiler; Triton on CUDA), ``"eager"`` runs the same functions as about
-    ten separate passes with temporaries. ``"auto"``: compiled where a compiler is found, else eager with a warning
-    (the environment variable ``LIGHTNING_ZENFLOW_KERNELS=eager|compiled`` overrides it). The first step with moves
-    builds the kernels (seconds; cached on disk by torch for later runs)."""
+    """How ZenFlow's elementwise kernels run (the interim moves and the compact state's window sum on the device, the
+    AdamW step in the host worker): ``"compiled"`` builds each with ``torch.compile`` into one fused kernel (C++ on a
+    CPU, which needs a C++ compiler; Triton on CUDA), ``"eager"`` runs the same functions as several separate passes
+    with temporaries. ``"auto"``: compiled where a compiler is found, else eager with a warning (the environment
+    variable ``LIGHTNING_ZENFLOW_KERNELS=eager|compiled`` overrides it). The first steps build the kernels (seconds;
+    cached on disk by torch for later runs)."""
 
     accumulate_on: Literal["auto", "device", "host"] = "auto"
     """Where the window's unselected gradient columns are summed. ``"device"``: an accumulator on the device (bf16,

@@ -197,9 +197,10 @@ def resolve_kernel_mode(mode: str, device: torch.device) -> tuple[Literal["compi
 
 
 KERNEL_BUILD_NOTICE = (
-    "the first steps with interim moves build their fused kernels with torch.compile (seconds; about 15-25 s on a "
-    "CPU with an empty compile cache; torch caches them on disk for later runs); interim_kernel='eager' skips the "
-    "build (about ten passes per step instead of one)."
+    "the first steps build ZenFlow's fused kernels with torch.compile (the interim moves and the window's sum in "
+    "the training process, the AdamW step in the host worker; seconds, about 15-25 s on a CPU with an empty compile "
+    "cache; torch caches them on disk for later runs); interim_kernel='eager' skips the build (several passes per "
+    "step instead of one)."
 )
 _WARNED: set[str] = set()
 _COMPILE_LOCK = threading.Lock()
@@ -254,7 +255,7 @@ class Kernels:
                     raise
                 warnings.warn(
                     f"lightning_zenflow: torch.compile failed for {name} ({type(error).__name__}: {error}); the "
-                    "interim moves run it eagerly from here on. Set interim_kernel='eager' to skip the attempt.",
+                    "engine runs it eagerly from here on. Set interim_kernel='eager' to skip the attempt.",
                     stacklevel=2,
                 )
                 self._eager_now.add(name)

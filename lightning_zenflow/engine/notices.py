@@ -2,7 +2,7 @@
 
 The engine changes the training process where a user would not look for it: it pins the process to its share of
 the cores with as many torch threads (``bind_cores``), so the script's own work between steps (an evaluation, a data
-pipeline) runs on those only until the optimizer is closed; and the first step with interim moves builds their
+pipeline) runs on those only until the optimizer is closed; and the first steps build its fused
 kernels with ``torch.compile`` (seconds, up to about half a minute with an empty compile cache). Each is said once, as
 a :class:`ZenFlowNotice` (a ``UserWarning``), with how to change it.
 ``warnings.filterwarnings("ignore", category=ZenFlowNotice)`` silences them all.
