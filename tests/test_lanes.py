@@ -25,8 +25,10 @@ from torch import nn
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine import lane as lane_module
 from lightning_zenflow.engine import lanes as lanes_module
-from lightning_zenflow.engine.lanes import LaneError, Lanes, lane_mode
+from lightning_zenflow.engine.lane import LaneError
+from lightning_zenflow.engine.lanes import Lanes, lane_mode
 from lightning_zenflow.engine.window import WindowEnd
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
@@ -63,7 +65,7 @@ def test_a_lane_runs_its_work_in_order_after_it_is_issued(lanes) -> None:
 
 def test_a_wait_on_an_event_orders_one_lane_after_another(lanes, monkeypatch) -> None:
     def run(drop: bool) -> list:
-        monkeypatch.setattr(lanes_module, "DROPPED_WAITS", frozenset({"window added"} if drop else ()))
+        monkeypatch.setattr(lane_module, "DROPPED_WAITS", frozenset({"window added"} if drop else ()))
         log: list = []
         gate = _blocked(lanes.side, log, "side")
         done = lanes.event()
@@ -397,7 +399,7 @@ CPU_UNOBSERVABLE = {
 
 
 def test_every_wait_is_either_mutated_here_or_said_to_be_cpu_unobservable() -> None:
-    assert set(MUTATIONS) | set(CPU_UNOBSERVABLE) == set(lanes_module.WAIT_LABELS)
+    assert set(MUTATIONS) | set(CPU_UNOBSERVABLE) == set(lane_module.WAIT_LABELS)
     assert not set(MUTATIONS) & set(CPU_UNOBSERVABLE)
 
 
@@ -410,7 +412,7 @@ def mutation_baselines() -> dict[str, dict]:
 def test_removing_a_wait_changes_the_numbers(mutation_baselines, label, monkeypatch) -> None:
     mode, delays, set_to_none = MUTATIONS[label]
     monkeypatch.setenv("LIGHTNING_ZENFLOW_LANES", "adversarial")
-    monkeypatch.setattr(lanes_module, "DROPPED_WAITS", frozenset({label}))
+    monkeypatch.setattr(lane_module, "DROPPED_WAITS", frozenset({label}))
     try:
         run = _run(mode, torch.float32, delays=delays, set_to_none=set_to_none, update_interval=2)
     except LaneError:
