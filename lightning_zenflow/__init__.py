@@ -25,7 +25,7 @@ from lightning_zenflow.optim import ZenFlowAdamW
 __version__ = "0.1.0"
 
 _LIGHTNING_NAMES = {
-    "CheckpointError": "lightning_zenflow.strategies.base",
+    "CheckpointError": "lightning_zenflow.checkpoints.hooks",
     "ZenFlowFabricStrategy": "lightning_zenflow.integrations.fabric",
     "ZenFlowDDPStrategy": "lightning_zenflow.strategies.ddp",
     "ZenFlowFSDPStrategy": "lightning_zenflow.strategies.fsdp",

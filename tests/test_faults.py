@@ -29,12 +29,12 @@ from lightning_helpers import RecordWorkerPid, TinyModule, assert_weights_equal,
 from torch import nn
 
 from lightning_zenflow import ZenFlowStrategy
+from lightning_zenflow.checkpoints.hooks import CheckpointError
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine import preflight as preflight_module
 from lightning_zenflow.engine.layout import HostFormat, allocate_host_buffers, build_layout
 from lightning_zenflow.engine.preflight import HostResourceError, MachineResources, check_host_resources
-from lightning_zenflow.strategies.base import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 

@@ -308,7 +308,7 @@ def test_a_host_block_dtensor_stays_on_the_host_under_a_cuda_mesh(tmp_path: path
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zenflow.strategies.sharded import host_resident_dtensor
+    from lightning_zenflow.checkpoints.sharded import host_resident_dtensor
 
     dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
     try:

@@ -439,7 +439,7 @@ def test_a_sharded_checkpoint_block_is_never_moved_to_the_mesh_device(tmp_path, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from lightning_zenflow.strategies.sharded import host_resident_dtensor
+    from lightning_zenflow.checkpoints.sharded import host_resident_dtensor
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
     try:

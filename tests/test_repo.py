@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zenflow import ZenFlowConfig, ZenFlowStrategy
+from lightning_zenflow import ZenFlowConfig
 from lightning_zenflow.config import knob_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,19 +48,37 @@ def test_every_knob_has_a_documented_row() -> None:
         assert f"| `{field}` |" in table
 
 
-def test_strategy_signature_mirrors_the_config() -> None:
-    """The strategy's knob arguments and defaults are the config's fields, in order (single source of truth)."""
-    parameters = inspect.signature(ZenFlowStrategy.__init__).parameters
-    knobs = list(ZenFlowConfig.__dataclass_fields__)
-    assert list(parameters)[1 : 1 + len(knobs)] == knobs
+@pytest.mark.parametrize(
+    "owner", ["ZenFlowStrategy", "ZenFlowDDPStrategy", "ZenFlowFSDPStrategy", "ZenFlowAdamW"], ids=str
+)
+def test_every_signature_mirrors_the_config(owner: str) -> None:
+    """The knobs of the four typed signatures (DESIGN section 2: keyword arguments, no ``**kwargs``) are the config's
+    fields, in order, with its defaults and its types: the config is the single source, the signatures its mirrors
+    (``ZenFlowAdamW`` leaves out the Trainer's own knobs)."""
+    import lightning_zenflow
+    from lightning_zenflow.optim import LIGHTNING_ONLY_KNOBS
+
+    cls = getattr(lightning_zenflow, owner)
+    parameters = inspect.signature(cls.__init__).parameters
+    knobs = [
+        name
+        for name in ZenFlowConfig.__dataclass_fields__
+        if owner != "ZenFlowAdamW" or name not in LIGHTNING_ONLY_KNOBS
+    ]
+    names = list(parameters)
+    start = names.index(knobs[0])
+    assert names[start : start + len(knobs)] == knobs
     defaults = ZenFlowConfig()
+    fields = ZenFlowConfig.__dataclass_fields__
     for name in knobs:
         default = parameters[name].default
-        expected = getattr(defaults, name)
-        assert (tuple(default) if isinstance(default, list) else default) == expected, name
-    documented = ZenFlowStrategy.__doc__ or ""
-    for name in knobs:
-        assert f"{name}:" in documented, f"ZenFlowStrategy docstring misses {name}"
+        assert (tuple(default) if isinstance(default, list) else default) == getattr(defaults, name), name
+        if name != "sync_on":  # the strategies also take a list
+            assert parameters[name].annotation == fields[name].type, name
+    if owner != "ZenFlowAdamW":  # its docstring names the config's table instead
+        documented = cls.__doc__ or ""
+        for name in knobs:
+            assert f"{name}:" in documented, f"{owner} docstring misses {name}"
 
 
 def test_readme_links_the_update_rule() -> None:

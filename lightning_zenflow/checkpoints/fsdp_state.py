@@ -115,3 +115,9 @@ def local_row_state(
                 local[key] = block.reshape(local_shapes[name]) if entry.get("kind") == "device" else block
         params[name] = local
     return {**state, "params": params, "row_blocks": True}
+
+
+def is_dtensor(tensor: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
