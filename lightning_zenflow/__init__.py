@@ -3,7 +3,8 @@
 ``import lightning_zenflow`` registers the strategy names ``"zenflow"``, ``"zenflow_ddp"``,
 ``"zenflow_ddp_spawn"`` and ``"zenflow_fsdp"`` (Lightning has no entry-point discovery for strategies, so the import
 is what makes ``Trainer(strategy="zenflow")`` work). ``lightning_zenflow.ZenFlowAdamW`` is ZenFlow as a torch
-optimizer, for any other training loop.
+optimizer, for any other training loop; ``lightning_zenflow.plan`` says whether a model fits a machine, with which
+knobs, and how fast (``lightning-zenflow plan``).
 """
 
 import importlib
@@ -19,6 +20,7 @@ from lightning_zenflow.engine import (
     ZenFlowEngine,
 )
 from lightning_zenflow.optim import ZenFlowAdamW
+from lightning_zenflow.planner import plan
 
 __version__ = "0.1.0"
 
@@ -76,4 +78,5 @@ __all__ = [
     "ZenFlowPrecision",
     "ZenFlowStrategy",
     "ZenFlowTelemetry",
+    "plan",
 ]

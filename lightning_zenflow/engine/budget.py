@@ -194,6 +194,20 @@ def interim_bytes(matrices: Sequence[MatrixShape], config: ZenFlowConfig) -> int
     return total
 
 
+SELECTION_TRANSIENT_BYTES = 24
+"""Device bytes per selected element that a selection holds for a moment beyond the state it installs (the arriving
+columns, the old state beside the new): the allowance ``engine/accumulate.py``'s ``selection_device_bytes`` makes."""
+SELECTION_TRANSIENT_SHARDED_BYTES = 36
+"""The same under data parallel, where the entering columns' rows from every rank meet in one buffer."""
+
+
+def selection_transient_bytes(matrices: Sequence[MatrixShape], config: ZenFlowConfig, sharded: bool = False) -> int:
+    """Device bytes a selection (the first, and each refresh) holds for a moment on top of the steady state: the
+    engine's own allowance per selected element (:data:`SELECTION_TRANSIENT_BYTES`)."""
+    per_element = SELECTION_TRANSIENT_SHARDED_BYTES if sharded else SELECTION_TRANSIENT_BYTES
+    return sum(per_element * m.rows * num_selected_columns(m.cols, config.topk_ratio) for m in matrices)
+
+
 def per_parameter(total_bytes: int, parameters: int) -> float:
     """Bytes per parameter of a total."""
     return total_bytes / max(1, parameters)
