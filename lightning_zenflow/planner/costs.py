@@ -303,11 +303,20 @@ def _step_time(row: Row, shapes: ModelShapes, machine: Machine, work: Workload) 
     t_share = shared / (machine.network_gbps * GB)
     t_add = 0.0 if device_mode else unselected / machine.host_add_rate(b)
 
-    def step(interval: int) -> tuple[float, float]:
-        """(average step time, the step before any wait) at windows of ``interval`` steps."""
+    measured = machine.device_step_seconds(config.host_state, b, local) if device_mode else None
+
+    def device_seconds(interval: int) -> float:
+        """The engine's device work per step: measured (``--measure``), or its bytes at the device's bandwidth."""
+        if measured is not None:
+            return measured
         t_dev = t_sel + (3 * b * local + accumulate) / device_rate
         if row.interim:
             t_dev += (3 * b + b / interval) * local / device_rate
+        return t_dev
+
+    def step(interval: int) -> tuple[float, float]:
+        """(average step time, the step before any wait) at windows of ``interval`` steps."""
+        t_dev = device_seconds(interval)
         base = t_fb + t_dev
         landing = t_up + t_share
         if not config.overlap_step:
@@ -335,7 +344,7 @@ def _step_time(row: Row, shapes: ModelShapes, machine: Machine, work: Workload) 
     row.step_s, _ = step(row.interval)
     row.times = {
         "fwd_bwd": t_fb,
-        "device": t_sel + (3 * b * local + accumulate) / device_rate,
+        "device": device_seconds(row.interval),
         "copy_down": t_down,
         "host_add": t_add,
         "worker": t_worker,

@@ -85,6 +85,9 @@ class Machine:
     """Measured host step, elements per second on all the worker cores, by (moments, window, master)."""
     host_add_rates: dict[str, float] = field(default_factory=dict)
     """Measured host add, gradient elements per second, by gradient dtype."""
+    device_steps: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    """Measured device work of the engine's steady step in device mode (selected columns' AdamW, interim moves,
+    the window's accumulation), by (host state, weight bytes): (seconds per step, seconds per matrix element)."""
     measured: dict[str, float] = field(default_factory=dict)
     """What ``--measure`` timed (rates as above, the copies in GB/s)."""
 
@@ -99,6 +102,12 @@ class Machine:
         if rate is None:
             rate = self.host_step_gbps * GB / host_step_bytes(host_format, weight_bytes)
         return rate / self.devices
+
+    def device_step_seconds(self, host_state: str, weight_bytes: int, elements: int) -> float | None:
+        """The engine's measured device work of a device-mode step over ``elements`` matrix elements (None: not
+        measured)."""
+        measured = self.device_steps.get((host_state, weight_bytes))
+        return None if measured is None else measured[0] + measured[1] * elements
 
     def host_add_rate(self, weight_bytes: int) -> float:
         """Gradient elements per second the training process adds into the host accumulator (host mode)."""
@@ -153,7 +162,9 @@ def _median_seconds(fn: Callable[[], object], repeats: int = 3, prepare: Callabl
     return statistics.median(times)
 
 
-def measure(machine: Machine, formats: list[tuple[HostFormat, int]], elements: int = 1 << 24) -> Machine:
+def measure(
+    machine: Machine, formats: list[tuple[HostFormat, int]], elements: int = 1 << 24, device_work: bool = True
+) -> Machine:
     """``machine`` with its rates measured on this machine (see the module docstring); ``formats``: the host formats
     (and weight bytes) whose host step to time. A few seconds; the first run also builds the compiled host step."""
     train_cores, worker_cores = ZenFlowConfig().core_split()
@@ -193,6 +204,15 @@ def measure(machine: Machine, formats: list[tuple[HostFormat, int]], elements: i
             device_gbps=gpu["device copy GB/s"],
             device_tflops=TRAINING_OVER_MATMUL * gpu["matmul bf16 TFLOP/s"],
         )
+    if device_work:
+        weight_bytes = sorted({b for _, b in formats})
+        steps = {
+            (state, b): _device_work(state, b, machine.device_type) for state in ("bf16", "fp32") for b in weight_bytes
+        }
+        changes["device_steps"] = steps
+        for (state, b), (fixed, per_element) in steps.items():
+            measured[f"device step {state} state, {b} B weights: s + s/element"] = fixed
+            measured[f"device step {state} state, {b} B weights: s/element"] = per_element
     return dataclasses.replace(machine, measured=measured, **changes)
 
 
@@ -291,6 +311,46 @@ def _measure_gpu() -> dict[str, float]:
         "device copy GB/s": 2 * size / timed(lambda: other.copy_(on_device)) / GB,
         "matmul bf16 TFLOP/s": _matmul_flops(device, torch.bfloat16, 8192) / 1e12,
     }
+
+
+DEVICE_WORK_SIZES = (1 << 23, 1 << 24)
+"""Matrix elements of the two engines :func:`_device_work` times (a line through two points: a fixed cost per step,
+and a cost per element)."""
+
+
+def _device_work(host_state: str, weight_bytes: int, device_type: str) -> tuple[float, float]:
+    """The engine's device work per steady device-mode step with ZenFlow's defaults otherwise (interim moves where
+    they apply), timed on a real engine (its public API only) over one matrix of each of
+    :data:`DEVICE_WORK_SIZES`: (seconds per step, seconds per element). CPU: the wall time of ``step()`` and
+    ``wait_for_update()`` (the stand-in's device work runs there); CUDA: ``StepStats.device_update_s``."""
+    from lightning_zenflow.engine import ZenFlowEngine, spares
+
+    device = torch.device("cuda" if device_type == "cuda" else "cpu")
+    dtype = BF16 if weight_bytes == 2 else FP32
+    seconds = []
+    spares.keep_spare_workers(True)  # the second engine adopts the first one's worker
+    try:
+        for elements in DEVICE_WORK_SIZES:
+            cols = 4096
+            weight = torch.nn.Parameter(torch.randn(elements // cols, cols, device=device).to(dtype))
+            weight.grad = (torch.randn_like(weight, dtype=FP32) * 1e-3).to(dtype)
+            config = ZenFlowConfig(full_warm_up_rounds=0, accumulate_on="device", host_state=host_state)
+            times = []
+            with ZenFlowEngine(torch.optim.AdamW([weight], lr=1e-4), config) as engine:
+                for step in range(1, 3 * config.update_interval):
+                    started = time.perf_counter()
+                    stats = engine.step()
+                    engine.wait_for_update()
+                    wall = time.perf_counter() - started
+                    if step > 1 and not stats.window_end and step % config.update_interval != 1:
+                        times.append(stats.device_update_s if device.type == "cuda" else wall)
+            seconds.append(statistics.median(t for t in times if t is not None))
+            del weight
+    finally:
+        spares.keep_spare_workers(False)
+    small, large = DEVICE_WORK_SIZES
+    per_element = max(0.0, (seconds[1] - seconds[0]) / (large - small))
+    return max(0.0, seconds[0] - per_element * small), per_element
 
 
 def check_machine(machine: Machine) -> None:
