@@ -44,11 +44,15 @@ class _Parser(argparse.ArgumentParser):
         _fail(message, f"{PROG} --help lists every option")
 
 
-def _fail(message: str, tip: str | None = None) -> NoReturn:
-    """One ``error:`` line and a ``tip:`` line on stderr, exit status 2 (as ``lightning-zenflow fit`` reports)."""
+def _report(message: str, tip: str | None = None) -> int:
+    """One ``error:`` line and a ``tip:`` line on stderr; exit status 2 (as ``lightning-zenflow fit`` reports)."""
     print(f"error: {message}", file=sys.stderr)
     print(f"tip: {tip + '; ' if tip else ''}{DEBUG_ENV}=1 shows the traceback", file=sys.stderr)
-    raise SystemExit(2)
+    return 2
+
+
+def _fail(message: str, tip: str | None = None) -> NoReturn:
+    raise SystemExit(_report(message, tip))
 
 
 def _interval(text: str) -> int | str:
@@ -135,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as error:
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
-        _fail(str(error))
-    except SystemExit as done:
-        return int(done.code or 0)
+        return _report(str(error))
 
 
 def _run(args: argparse.Namespace, argv: list[str]) -> int:

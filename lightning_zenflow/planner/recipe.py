@@ -28,10 +28,13 @@ def _header(plan: Any, row: Row, command: str, path: Path) -> list[str]:
     device = row.device
     layout = row.setting.layout
     sync = next((r for r in plan.rows if r.name.startswith("sync-offload") and r.setting.layout == layout), None)
+    gpus = f"{machine.devices} GPU{'s' if machine.devices > 1 else ''}"
+    if machine.nodes > 1:
+        gpus = f"{machine.nodes} machines of {gpus}"
     lines = [
         f"configs/llm.yaml's fine-tune for {plan.model_path or plan.model} ({plan.parameters / 1e9:.2f} B parameters) "
-        f"on {machine.nodes} x {machine.devices} GPU of {_gb(machine.device_memory)} with {_gb(machine.host_memory)} "
-        f"of RAM per machine: the setting `lightning-zenflow plan` recommends ({row.name}), written by",
+        f"on {gpus} of {_gb(machine.device_memory)} with {_gb(machine.host_memory)} of RAM per machine: the "
+        f"setting `lightning-zenflow plan` recommends ({_setting_name(row)}), written by",
         "",
         f"  {command}",
         "",
@@ -74,6 +77,10 @@ def _header(plan: Any, row: Row, command: str, path: Path) -> list[str]:
         else:
             wrapped += textwrap.wrap(line, 116)
     return [f"# {line}".rstrip() for line in wrapped]
+
+
+def _setting_name(row: Row) -> str:
+    return "ZenFlow's defaults" if row.name == "zenflow" else row.name
 
 
 def config_yaml(plan: Any, command: str, path: Path) -> str:

@@ -116,10 +116,11 @@ def recommendation_lines(plan: Any) -> list[str]:
     row = plan.recommended
     if row is None:
         closest = max(plan.rows, key=lambda r: min(r.device_margin, r.host_margin))
+        ideas = [] if plan.workload.activation_checkpointing else ["--activation-checkpointing"]
+        ideas += ["a smaller --batch-size", "a smaller --topk-ratio", "more devices (FSDP2 divides the device's share)"]
         return [
             "",
-            f"nothing fits. Closest: {closest.name}, short by {_margin(closest).lstrip('-')}. Try "
-            "--activation-checkpointing, a smaller --batch-size, accumulate_on=host, or more devices (FSDP2).",
+            f"nothing fits. Closest: {closest.name}, short by {_margin(closest).lstrip('-')}. Try {', '.join(ideas)}.",
         ]
     knobs = ", ".join(f"{k}={v}" for k, v in row_knobs(row).items())
     return [
