@@ -106,8 +106,10 @@ def test_bad_input_is_one_line_naming_the_option_and_exit_status_2(
     code, out, err = run_cli([*model, "--device-memory", "24GB", "--host-memory", "64GB", *args], capsys)
     assert code == 2
     lines = err.strip().splitlines()
-    assert lines[0].startswith("error: ") and message in lines[0], err
-    assert lines[1].startswith("tip: ") and len(lines) == 2
+    assert lines[0].startswith("error: "), err
+    assert message in lines[0], err
+    assert lines[1].startswith("tip: ")
+    assert len(lines) == 2
     assert out == ""
 
 
@@ -151,9 +153,12 @@ def test_nothing_at_the_default_topk_fits_so_a_smaller_one_is_recommended() -> N
     transient), host accumulation out of host memory (12 B per parameter); 5 % of the columns on the device fit."""
     result = plan(str(MODELS / "Qwen2.5-14B.json"), activation_checkpointing=True, **H200)
     device = result.row("zenflow accumulate_on=device host_state=bf16")
-    assert not device.fits and device.device_selection > device.device_capacity
-    assert result.row("zenflow").accumulate_on == "host" and not result.row("zenflow").fits
-    assert result.recommended is not None and result.recommended.name == "zenflow topk_ratio=0.05"
+    assert not device.fits
+    assert device.device_selection > device.device_capacity
+    assert result.row("zenflow").accumulate_on == "host"
+    assert not result.row("zenflow").fits
+    assert result.recommended is not None
+    assert result.recommended.name == "zenflow topk_ratio=0.05"
     assert result.recommended.accumulate_on == "device"
 
 
@@ -164,7 +169,8 @@ def test_the_step_time_needs_a_longer_window_when_the_host_is_slower() -> None:
         row = plan(str(MODELS / "Qwen2.5-7B.json"), machine=machine, accumulate_on="device").row("zenflow")
         windows.append(row.interval_needed)
         assert row.step_s < plan(str(MODELS / "Qwen2.5-7B.json"), machine=machine).row("sync-offload").step_s
-    assert windows == sorted(windows) and windows[0] < windows[-1]
+    assert windows == sorted(windows)
+    assert windows[0] < windows[-1]
 
 
 def test_activation_checkpointing_keeps_less_and_the_batch_scales_it() -> None:
@@ -186,7 +192,8 @@ def test_the_python_twin_takes_any_module_and_a_lightning_module(tmp_path: pathl
         gpt = GPT(GPTConfig())
     tokens = torch.zeros(4, 128, dtype=torch.long, device="meta")
     result = plan(gpt, example_input=(tokens, tokens), precision="32-true", **H200)
-    assert result.parameters == 875_264 and result.activations > 0
+    assert result.parameters == 875_264
+    assert result.activations > 0
     assert plan(gpt, **H200).activations is None
     module = CausalLMFineTune(str(save_tiny_llama(tmp_path / "model")))
     assert plan(module, **H200).parameters == sum(p.numel() for p in module.parameters())
@@ -210,7 +217,8 @@ def test_the_recommended_command_runs_through_the_cli(
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert strategy in printed
-    assert f"update_interval: {row.interval}" in printed and f"accumulate_on: {row.accumulate_on}" in printed
+    assert f"update_interval: {row.interval}" in printed
+    assert f"accumulate_on: {row.accumulate_on}" in printed
     assert "model_path: Qwen/Qwen2.5-0.5B" in printed
 
 
