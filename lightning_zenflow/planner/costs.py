@@ -39,6 +39,8 @@ PROCESS_BYTES = 3 * 2**30
 """Host memory per training process and its worker beyond the engine's state (Python, torch, CUDA's context)."""
 DEFAULT_WEIGHT_FILE_BYTES = 5 * 10**9
 """The largest weight file when the model's files are not on this machine (Hugging Face's shards are 5 GB or less)."""
+DEFAULT_INTERVAL = ZenFlowConfig().update_interval
+"""The window a row takes at least when ``update_interval`` is not given."""
 MAX_INTERVAL = 256
 """The longest window the planner tries when looking for one that hides the host step."""
 PRECISIONS = {
@@ -338,8 +340,9 @@ def _step_time(row: Row, shapes: ModelShapes, machine: Machine, work: Workload) 
         (s for s in range(1, MAX_INTERVAL + 1) if not config.overlap_step or _hidden(step, s)), None
     )
     interval = config.update_interval
-    if interval == "auto":
-        interval = max(4, row.interval_needed or MAX_INTERVAL)
+    if interval == "auto" or "update_interval" not in setting.knobs:
+        # not given: the shortest window that hides the host step, and no shorter than the default
+        interval = max(DEFAULT_INTERVAL, row.interval_needed or DEFAULT_INTERVAL)
     row.interval = int(interval)
     row.step_s, _ = step(row.interval)
     row.times = {

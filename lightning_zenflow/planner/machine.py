@@ -116,9 +116,12 @@ class Machine:
 
     def describe(self) -> str:
         what = "measured" if self.measured else "defaults"
+        kind = "GPU" if self.device_type == "cuda" else "CPU stand-in"
+        devices = f"{self.devices} {kind}{'s' if self.devices > 1 else ''}"
+        where = f"{self.nodes} machines of {devices}" if self.nodes > 1 else devices
         return (
-            f"{self.nodes} x {self.devices} {'GPU' if self.device_type == 'cuda' else 'CPU stand-in'} "
-            f"({self.device_memory / GB:.1f} GB each), {self.host_memory / GB:.1f} GB RAM per machine; rates ({what}): "
+            f"{where} ({self.device_memory / GB:.1f} GB each), {self.host_memory / GB:.1f} GB RAM per machine; "
+            f"rates ({what}): "
             f"link {self.d2h_gbps:.3g}/{self.h2d_gbps:.3g} GB/s down/up, device {self.device_gbps:.3g} GB/s and "
             f"{self.device_tflops:.3g} TFLOP/s, host step {self.host_step_gbps:.3g} GB/s, host add "
             f"{self.host_add_gbps:.3g} GB/s"

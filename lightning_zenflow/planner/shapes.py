@@ -8,6 +8,7 @@ Sources (``--model``): a local Hugging Face folder, a ``config.json``, a ``.gguf
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,8 @@ class ModelShapes:
     """The parameter names of each decoder block (Hugging Face's ``_no_split_modules``; FSDP2 shards by them)."""
     config: Any = None
     """The Hugging Face config, where there is one (layers and width for the attention's FLOPs)."""
+    cache: dict = field(default_factory=dict, repr=False)
+    """:func:`engine_shapes` by (weight bytes, layout, ranks, rank)."""
 
     @property
     def parameters(self) -> int:
@@ -168,7 +171,10 @@ def engine_shapes(
     the host state of its row block (``Ranks.own_rows``); ``"fsdp2"`` its row shard of every parameter
     (``Ranks.block_of``, torch.chunk's blocks as FSDP2 cuts them), the whole matrix's rows kept for the interim
     moves' statistics."""
-    ranks = Ranks(rank=rank, world=world, rows_local=layout == "fsdp2")
+    key = (weight_bytes, layout, world, rank)
+    if key in shapes.cache:
+        return shapes.cache[key]
+    fsdp = layout == "fsdp2"
     matrices, vectors = [], []
     for param in shapes.params:
         if not param.trainable:
@@ -176,27 +182,33 @@ def engine_shapes(
         rows = param.shape[0] if param.shape else 1
         rest = param.numel // rows if rows else 0
         local_rows = rows
-        if layout == "fsdp2" and param.shape:
-            start, stop = ranks.block_of(rows)
+        if fsdp and param.shape:
+            start, stop = _rows_of(rows, world, rank, "block_of")
             local_rows = stop - start
         if len(param.shape) >= 2:
-            start, stop = ranks.own_rows(local_rows)
+            start, stop = _rows_of(local_rows, world, rank, "own_rows", rows_local=fsdp)
             whole = rows if layout == "fsdp2" else None
             matrices.append(MatrixShape(local_rows, rest, stop - start, weight_bytes, whole_rows=whole))
         else:
             vectors.append(VectorShape(local_rows * rest if param.shape else 1, weight_bytes))
+    shapes.cache[key] = (matrices, vectors)
     return matrices, vectors
+
+
+@functools.lru_cache(maxsize=4096)
+def _rows_of(rows: int, world: int, rank: int, which: str, rows_local: bool = True) -> tuple[int, int]:
+    """``Ranks.block_of`` or ``Ranks.own_rows`` (the engine's rule), once per distinct row count."""
+    return getattr(Ranks(rank=rank, world=world, rows_local=rows_local), which)(rows)
 
 
 def local_numel(shapes: ModelShapes, layout: str, world: int = 1, rank: int = 0, trainable_only: bool = False) -> int:
     """Elements of the parameters rank ``rank`` holds on its device (all of them, or its FSDP2 shards)."""
-    ranks = Ranks(rank=rank, world=world, rows_local=True)
     total = 0
     for param in shapes.params:
         if trainable_only and not param.trainable:
             continue
         if layout == "fsdp2" and param.shape:
-            start, stop = ranks.block_of(param.shape[0])
+            start, stop = _rows_of(param.shape[0], world, rank, "block_of")
             total += (stop - start) * (param.numel // max(1, param.shape[0]))
         else:
             total += param.numel
