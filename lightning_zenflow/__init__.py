@@ -5,7 +5,8 @@
 is what makes ``Trainer(strategy="zenflow")`` work), and Fabric's ``"zenflow"``: at once when Lightning is imported
 already, else when it is. ``lightning_zenflow.ZenFlowAdamW`` is ZenFlow as a torch optimizer, for any other training
 loop; importing it (or ``lightning_zenflow.engine``) imports no Lightning module. The Lightning classes
-(``ZenFlowStrategy``, ...) load at their first use.
+(``ZenFlowStrategy``, ...) load at their first use. ``lightning_zenflow.plan`` says whether a model fits a machine,
+with which knobs, and how fast (``lightning-zenflow plan``).
 """
 
 import importlib
@@ -21,6 +22,7 @@ from lightning_zenflow.engine import (
     ZenFlowEngine,
 )
 from lightning_zenflow.optim import ZenFlowAdamW
+from lightning_zenflow.planner import plan
 
 __version__ = "0.1.0"
 
@@ -64,4 +66,5 @@ __all__ = [
     "ZenFlowPrecision",
     "ZenFlowStrategy",
     "ZenFlowTelemetry",
+    "plan",
 ]

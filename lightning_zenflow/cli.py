@@ -3,6 +3,7 @@
     lightning-zenflow fit --config configs/main.yaml
     lightning-zenflow fit --config configs/main.yaml --trainer.strategy.topk_ratio=0.2
     lightning-zenflow fit --trainer.strategy.help zenflow     # every knob, with its default and meaning
+    lightning-zenflow plan --model Qwen/Qwen2.5-7B             # will it fit this machine, with which knobs, how fast
 
 Any LightningModule / LightningDataModule can be named by ``class_path`` in the YAML. Beyond a plain LightningCLI:
 
@@ -55,6 +56,8 @@ STRATEGY_NAMES = frozenset(
 """Every spelling of the strategy as a plain string; each is rewritten to the ``class_path`` form."""
 
 KNOBS_HELP = f"{PROG} fit --trainer.strategy.help zenflow"
+PLAN_COMMAND = "plan"
+"""``lightning-zenflow plan --model M``: will a model fit this machine, with which knobs, and how fast."""
 _STRATEGY_AS_CLASS = json.dumps({"class_path": STRATEGY_CLASS_PATH})
 _CONFIG_OPTIONS = ("-c", "--config")
 _STRATEGY_OPTION = "--trainer.strategy"
@@ -81,7 +84,10 @@ class ZenFlowCLI(LightningCLI):
         kwargs.setdefault("exit_on_error", False)
         # the top of --help (a subcommand's comes from its Trainer method's docstring)
         description = kwargs.get("description") or "Lightning Trainer command line tool, with ZenFlow."
-        kwargs["description"] = f"{description} Every ZenFlow knob: {KNOBS_HELP}"
+        kwargs["description"] = (
+            f"{description} Every ZenFlow knob: {KNOBS_HELP}. Will a model fit, with which knobs: "
+            f"{PROG} {PLAN_COMMAND} --help"
+        )
         return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
@@ -106,7 +112,13 @@ class ZenFlowCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> int:
-    """Run the CLI and return the exit status; ``args`` replaces ``sys.argv[1:]`` (used by tests)."""
+    """Run the CLI and return the exit status; ``args`` replaces ``sys.argv[1:]`` (used by tests). ``plan`` is the
+    planner's own command line (``lightning_zenflow/planner/cli.py``), without LightningCLI."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == [PLAN_COMMAND]:
+        from lightning_zenflow.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     try:
         ZenFlowCLI(subclass_mode_model=True, subclass_mode_data=True, save_config_kwargs={"overwrite": True}, args=args)
     except (ConfigError, ArgumentError, MisconfigurationException, DataError) as error:

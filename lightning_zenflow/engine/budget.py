@@ -23,8 +23,10 @@ import torch
 
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.accumulate import CONVERT_CHUNK_ELEMENTS, STAGING_SLOT_BYTES
+from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.interim import resolve_interim_scale
 from lightning_zenflow.engine.landing import LANDING_CHUNK_BYTES
-from lightning_zenflow.engine.layout import HostFormat
+from lightning_zenflow.engine.layout import GroupLayout, HostFormat, MatrixSlot, resolve_host_format
 
 CONVERT_BUFFER_BYTES = 4 * CONVERT_CHUNK_ELEMENTS
 """Host mode's fp32 conversion buffer (``engine/accumulate.py``)."""
@@ -62,6 +64,28 @@ def may_go_to_host(config: ZenFlowConfig, matrix: MatrixShape) -> bool:
     return config.full_warm_up_rounds > 0 or num_selected_columns(matrix.cols, config.topk_ratio) < matrix.cols
 
 
+def resolve_format(
+    config: ZenFlowConfig,
+    weight_dtype: torch.dtype,
+    accumulate_on: str,
+    weight_decay: float = 0.0,
+    decoupled: bool = True,
+) -> tuple[HostFormat, bool]:
+    """The host format an engine takes for matrices of ``weight_dtype`` (under AdamW, or Adam's L2 decay when not
+    ``decoupled``) in an accumulation mode (``"device"`` or ``"host"``), and whether it runs the interim moves: the
+    engine's own rules (``resolve_interim_scale``, ``resolve_host_format``) applied to a one-matrix stand-in.
+
+    Raises:
+        UnsupportedSetupError: a knob the engine refuses for such a model (``interim_step > 0`` with L2 decay).
+    """
+    weight = torch.empty((1, 1), dtype=weight_dtype, device="meta")
+    slot = MatrixSlot(param=weight, name="matrix", group_index=0, index_in_group=0, rows=1, cols=1, offset=0)
+    layout = [GroupLayout(index=0, matrices=[slot])]
+    hparams = [HyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled)]
+    interim = resolve_interim_scale(config, layout, hparams) > 0
+    return resolve_host_format(config, layout, hparams, interim).for_mode(accumulate_on), interim
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -71,16 +95,27 @@ def host_bytes(
 ) -> int:
     """``engine.host_bytes()``: the shared rows of every group, the step counts, the column indices, host mode's
     staging. ``host_format``: the format for the accumulation mode in use (``HostFormat.for_mode``)."""
+    return sum(host_parts(matrices, config, host_format, groups).values())
+
+
+def host_parts(
+    matrices: Sequence[MatrixShape], config: ZenFlowConfig, host_format: HostFormat, groups: int | None = None
+) -> dict[str, int]:
+    """:func:`host_bytes` by kind: ``state`` (the moments and any master), ``window`` (the window rows), ``small``
+    (4 B per matrix of step count, 8 B per column of index) and ``staging`` (host mode's pinned slots and conversion
+    buffer)."""
     count = groups if groups is not None else 1 + max((m.group for m in matrices), default=0)
-    per_element = host_format.bytes_per_element
-    total = 0
-    for group in range(count):
-        members = [m for m in matrices if m.group == group]
-        total += per_element * sum(m.host_numel for m in members) + 4 * len(members)
-        total += 8 * sum(m.cols for m in members)
+    members = [m for m in matrices if m.group < count]
+    elements = sum(m.host_numel for m in members)
+    parts = {
+        "state": host_format.state_bytes * elements,
+        "window": host_format.window_bytes * elements,
+        "small": 4 * len(members) + 8 * sum(m.cols for m in members),
+        "staging": 0,
+    }
     if host_format.window_rows == 2:  # host mode
-        total += 2 * host_slot_bytes(matrices, config) + CONVERT_BUFFER_BYTES
-    return total
+        parts["staging"] = 2 * host_slot_bytes(matrices, config) + CONVERT_BUFFER_BYTES
+    return parts
 
 
 def host_slot_bytes(matrices: Sequence[MatrixShape], config: ZenFlowConfig) -> int:
@@ -99,24 +134,40 @@ def device_bytes(
 ) -> int:
     """``engine.device_bytes()`` after the first selection: the selected columns' state, the 1-D parameters' state,
     the accumulation mode's buffers, the landing's buffer (CUDA), the interim moves' statistics."""
-    total = 0
+    return sum(device_parts(matrices, vectors, config, host_format, device_type, interim).values())
+
+
+def device_parts(
+    matrices: Sequence[MatrixShape],
+    vectors: Sequence[VectorShape],
+    config: ZenFlowConfig,
+    host_format: HostFormat,
+    device_type: str = "cuda",
+    interim: bool = False,
+) -> dict[str, int]:
+    """:func:`device_bytes` by kind: the optimizer state (``selected``: the selected columns' master, moments and
+    gradient buffer with every matrix's column indices; ``vectors``: the 1-D parameters' moments and masters) and the
+    buffers (``window``: device mode's accumulator; ``rounding``: its row and column numbers; ``staging``: host
+    mode's two device slots; ``landing``: the buffer steps land through on CUDA; ``interim``: the moves'
+    statistics)."""
+    parts = dict.fromkeys(("selected", "vectors", "window", "rounding", "staging", "landing", "interim"), 0)
     for vector in vectors:
-        total += 4 * vector.numel * (2 if vector.weight_bytes == 4 else 3)
+        parts["vectors"] += 4 * vector.numel * (2 if vector.weight_bytes == 4 else 3)
     for matrix in matrices:
         k = num_selected_columns(matrix.cols, config.topk_ratio)
-        total += 16 * matrix.rows * k + 8 * matrix.cols
+        parts["selected"] += 16 * matrix.rows * k + 8 * matrix.cols
     going = [m for m in matrices if may_go_to_host(config, m)]
     if host_format.window_rows == 2:  # host mode: the device half of the staging ring
-        total += 2 * host_slot_bytes(matrices, config)
+        parts["staging"] = 2 * host_slot_bytes(matrices, config)
     else:
-        total += sum(_itemsize(host_format.window) * m.host_numel for m in going)
+        parts["window"] = sum(_itemsize(host_format.window) * m.host_numel for m in going)
         if host_format.window == torch.bfloat16:
-            total += sum(4 * (m.host_rows + m.cols) for m in going)  # the rounding's row and column numbers
+            parts["rounding"] = sum(4 * (m.host_rows + m.cols) for m in going)  # the row and column numbers
     if device_type == "cuda" and not host_format.master:
-        total += landing_buffer_bytes(going, host_format)
+        parts["landing"] = landing_buffer_bytes(going, host_format)
     if interim:
-        total += interim_bytes(matrices, config)
-    return total
+        parts["interim"] = interim_bytes(matrices, config)
+    return parts
 
 
 def landing_buffer_bytes(matrices: Sequence[MatrixShape], host_format: HostFormat) -> int:
@@ -141,6 +192,20 @@ def interim_bytes(matrices: Sequence[MatrixShape], config: ZenFlowConfig) -> int
         whole_rows = matrix.whole_rows if matrix.whole_rows is not None else matrix.rows
         total += 4 * (2 * whole_rows + 4 * matrix.cols + 2)
     return total
+
+
+SELECTION_TRANSIENT_BYTES = 24
+"""Device bytes per selected element that a selection holds for a moment beyond the state it installs (the arriving
+columns, the old state beside the new): the allowance ``engine/accumulate.py``'s ``selection_device_bytes`` makes."""
+SELECTION_TRANSIENT_SHARDED_BYTES = 36
+"""The same under data parallel, where the entering columns' rows from every rank meet in one buffer."""
+
+
+def selection_transient_bytes(matrices: Sequence[MatrixShape], config: ZenFlowConfig, sharded: bool = False) -> int:
+    """Device bytes a selection (the first, and each refresh) holds for a moment on top of the steady state: the
+    engine's own allowance per selected element (:data:`SELECTION_TRANSIENT_BYTES`)."""
+    per_element = SELECTION_TRANSIENT_SHARDED_BYTES if sharded else SELECTION_TRANSIENT_BYTES
+    return sum(per_element * m.rows * num_selected_columns(m.cols, config.topk_ratio) for m in matrices)
 
 
 def per_parameter(total_bytes: int, parameters: int) -> float:
