@@ -126,12 +126,12 @@ def test_device_and_host_bytes_per_rank_fall_as_one_over_w(fits: Fits) -> None:
             for kind in ("weights", "gradients"):  # the row blocks split evenly: exactly 1/W
                 assert result["device_bytes"][kind] * world == whole["device_bytes"][kind], (world, kind)
     # ZenFlow's device state and the host state: a part that is split by rows (exactly 1/W here) and a small part
-    # every rank keeps whole (per column: the selected indices, the scores, the rounding's column numbers: a fifth
-    # of these tiny matrices' state, far less of a real model's); 1 and 2 ranks fix both, 3 must follow
+    # every rank keeps whole (per column: the selected indices, the scores, the rounding's column numbers: up to a
+    # third of these tiny matrices' compact state, far less of a real model's); 1 and 2 ranks fix both, 3 must follow
     for kind in ("zenflow", "host"):
         at = {world: _bytes(ranks[0], kind) for world, ranks in by_world.items()}
         kept = 2 * at[2] - at[1]
-        assert 0 <= kept < 0.2 * at[1], (kind, at)
+        assert 0 <= kept < 0.4 * at[1], (kind, at)
         assert at[3] == (at[1] - kept) / 3 + kept, (kind, at)
         assert all(_bytes(result, kind) == at[world] for world, ranks in by_world.items() for result in ranks)
 
