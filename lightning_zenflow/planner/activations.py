@@ -3,7 +3,7 @@ meta device (shapes only, no memory, well under a second for a 70 B model).
 
 Every tensor saved for backward passes through a ``saved_tensors_hooks`` pack hook; the estimate is the bytes of
 the distinct storages among them that are not parameters or buffers (a view saved by several operations counts
-once). The attention of a Hugging Face model runs as :data:`~lightning_zenflow.planner.shapes.ATTENTION`, which saves
+once). The attention of a Hugging Face model runs as :data:`ATTENTION`, which saves
 what a fused attention kernel saves (query, key, value, output and the fp32 log-sum-exp per row) instead of the
 sequence-squared probabilities of the eager path. With activation checkpointing each decoder block keeps only its
 input, and one block's activations come back during its backward: the estimate is what the model saves outside
@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+ATTENTION = "zenflow_planned"
+"""The attention the meta model runs: what a fused attention kernel saves."""
 _REGISTERED = False
 
 
@@ -46,13 +48,11 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 
 
 def register_attention() -> None:
-    """Register :data:`~lightning_zenflow.planner.shapes.ATTENTION` with transformers' attention functions (once)."""
+    """Register :data:`ATTENTION` with transformers' attention functions (once)."""
     global _REGISTERED
     if _REGISTERED:
         return
     from transformers import AttentionInterface
-
-    from lightning_zenflow.planner.shapes import ATTENTION
 
     AttentionInterface.register(ATTENTION, _attention)
     _REGISTERED = True
@@ -129,7 +129,6 @@ def measure_forward(model: nn.Module, run: Callable[[], Any], blocks: list[nn.Mo
 def causal_lm_activations(model: nn.Module, batch_size: int, block_size: int) -> Activations:
     """A Hugging Face causal LM's activations for ``batch_size`` sequences of ``block_size`` tokens with labels (the
     loss included), on a copy of its structure on the meta device."""
-    from lightning_zenflow.planner.shapes import ATTENTION
 
     planned = getattr(model.config, "_attn_implementation", None) == ATTENTION
     meta = model if planned and _on_meta(model) else _meta_copy(model)
@@ -156,8 +155,6 @@ def _on_meta(model: nn.Module) -> bool:
 def _meta_copy(model: nn.Module) -> nn.Module:
     """The same Hugging Face architecture built from its config on the meta device, with the planned attention."""
     from transformers import AutoModelForCausalLM
-
-    from lightning_zenflow.planner.shapes import ATTENTION
 
     register_attention()
     dtype = next(model.parameters()).dtype

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_zenflow.engine.budget import MatrixShape, VectorShape
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.planner.activations import ATTENTION, register_attention
 from lightning_zenflow.planner.sizes import PlanError
 
 MODEL_SOURCES = (
@@ -136,15 +137,9 @@ def _largest_weight_file(folder: Path) -> int | None:
     return max(sizes) if sizes else None
 
 
-ATTENTION = "zenflow_planned"
-"""The attention the meta model runs (``planner/activations.py``): what a fused attention kernel saves."""
-
-
 def build_on_meta(config: Any, dtype: torch.dtype, option: str = "--model") -> nn.Module:
     """The causal LM of ``config`` on the meta device: every shape, no memory, no weights read."""
     from transformers import AutoModelForCausalLM
-
-    from lightning_zenflow.planner.activations import register_attention
 
     register_attention()
     try:
