@@ -189,6 +189,56 @@ def test_refresh_moves_only_the_columns_that_change_side(host_state):
     assert migrated_down == {4: 0, 6: column_moves, 8: 3 * column_moves}
 
 
+def test_a_migration_in_chunks_changes_no_value(monkeypatch):
+    """Selections move the matrices chunk by chunk (engine/migrate.py, a bounded device transient): with chunks of one
+    selected element every matrix goes alone, and the weights equal those of one chunk per selection bit for bit."""
+    from lightning_zenflow.engine import migrate as migrate_module
+
+    original = migrate_module._migrate_group
+
+    def run(limit: int) -> tuple[list[torch.Tensor], list[int]]:
+        chunks = []
+
+        def spy(lanes, updater, host, plans, ranks, moved):
+            chunks.append(len(plans))
+            return original(lanes, updater, host, plans, ranks, moved)
+
+        monkeypatch.setattr(migrate_module, "MIGRATION_CHUNK_ELEMENTS", limit)
+        monkeypatch.setattr(migrate_module, "_migrate_group", spy)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        config = ZenFlowConfig(
+            full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=3
+        )
+        with ZenFlowEngine(opt, config) as engine:
+            for _ in range(10):
+                model.zero_grad()
+                model(torch.randn(4, 16)).pow(2).sum().backward()
+                engine.step()
+            engine.flush()
+        return [p.detach().clone() for p in model.parameters()], chunks
+
+    whole, whole_chunks = run(1 << 30)
+    alone, alone_chunks = run(1)
+    assert whole_chunks
+    assert set(whole_chunks) == {2}
+    assert set(alone_chunks) == {1}
+    assert len(alone_chunks) == 2 * len(whole_chunks)
+    for a, b in zip(whole, alone, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_migration_chunks_bound_the_selected_elements_of_each_chunk():
+    from lightning_zenflow.engine.migrate import migration_chunks, peak_chunk_elements
+
+    assert migration_chunks([5, 5, 5, 20, 1, 1], 10) == [[0, 1], [2], [3], [4, 5]]
+    assert peak_chunk_elements([5, 5, 5, 20, 1, 1], 10) == 20  # a matrix larger than the limit goes alone
+    assert peak_chunk_elements([5, 5, 5], 100) == 15
+    assert migration_chunks([], 10) == []
+    assert peak_chunk_elements([], 10) == 0
+
+
 def test_auto_takes_the_device_when_it_fits_and_the_host_when_not(monkeypatch):
     from lightning_zenflow.engine import lanes
 

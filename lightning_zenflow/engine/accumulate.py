@@ -37,6 +37,7 @@ from lightning_zenflow.engine.kernels import Kernels
 from lightning_zenflow.engine.landing import Uploads, landing_ring_bytes
 from lightning_zenflow.engine.lanes import Event, Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, HostFormat, MatrixSlot
+from lightning_zenflow.engine.migrate import peak_chunk_elements
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, offset_of, unit_table
 from lightning_zenflow.engine.transfer import Helper, copy_all
@@ -357,14 +358,15 @@ def selection_device_bytes(
 ) -> int:
     """Device bytes the selected columns still need beyond what is held now: their fp32 master, two moments and
     gather buffer (16 B per selected element) and indices (8 B per column), plus the peak of a migration (the
-    arriving columns and the old state beside the new one: 24 B per selected element; 12 more under data
-    parallel, where the entering columns' rows from every rank meet in one buffer)."""
+    arriving columns and the old state beside the new one: 24 B per selected element of its largest chunk; 12 more
+    under data parallel, where the entering columns' rows from every rank meet in one buffer)."""
     transient = 36 if ranks.sharded else 24
-    total = 0
+    total = peak = 0
     for group in layout:
-        for slot in group.matrices:
-            k = num_selected_columns(slot.cols, config.topk_ratio)
-            total += (16 + transient) * slot.rows * k + 8 * slot.cols
+        selected = [slot.rows * num_selected_columns(slot.cols, config.topk_ratio) for slot in group.matrices]
+        total += sum(16 * n for n in selected) + sum(8 * slot.cols for slot in group.matrices)
+        peak = max(peak, peak_chunk_elements(selected))  # migrate.py moves the matrices chunk by chunk
+    total += transient * peak
     held = sum(
         4 * state.master.nbytes + state.selected.nbytes + state.unselected.nbytes
         for state in device_updater.matrix_states()

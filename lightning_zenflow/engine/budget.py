@@ -27,6 +27,7 @@ from lightning_zenflow.engine.device import HyperParams
 from lightning_zenflow.engine.interim import resolve_interim_scale
 from lightning_zenflow.engine.landing import LANDING_CHUNK_BYTES
 from lightning_zenflow.engine.layout import GroupLayout, HostFormat, MatrixSlot, resolve_host_format
+from lightning_zenflow.engine.migrate import peak_chunk_elements
 
 CONVERT_BUFFER_BYTES = 4 * CONVERT_CHUNK_ELEMENTS
 """Host mode's fp32 conversion buffer (``engine/accumulate.py``)."""
@@ -203,9 +204,11 @@ SELECTION_TRANSIENT_SHARDED_BYTES = 36
 
 def selection_transient_bytes(matrices: Sequence[MatrixShape], config: ZenFlowConfig, sharded: bool = False) -> int:
     """Device bytes a selection (the first, and each refresh) holds for a moment on top of the steady state: the
-    engine's own allowance per selected element (:data:`SELECTION_TRANSIENT_BYTES`)."""
+    engine's own allowance per selected element (:data:`SELECTION_TRANSIENT_BYTES`) of the largest chunk the
+    migration moves at once (``engine/migrate.py``: a constant, or one matrix where a matrix alone is larger)."""
     per_element = SELECTION_TRANSIENT_SHARDED_BYTES if sharded else SELECTION_TRANSIENT_BYTES
-    return sum(per_element * m.rows * num_selected_columns(m.cols, config.topk_ratio) for m in matrices)
+    selected = [m.rows * num_selected_columns(m.cols, config.topk_ratio) for m in matrices]
+    return per_element * peak_chunk_elements(selected)
 
 
 def per_parameter(total_bytes: int, parameters: int) -> float:

@@ -9,11 +9,15 @@ For each matrix, with the old and the new selected columns (both ascending):
 - *entering* columns come up: their host moments (current: they were host-bound) go to the device, widened to fp32;
   their master comes from the host's master where there is one, else from the weights (on the device).
 
-Per param group, all matrices' leaving columns are gathered on the device into one buffer and copied down with one
-copy, all entering columns are gathered on the host and copied up with one copy, and every index the device needs
+Per param group, matrices go in chunks of at most :data:`MIGRATION_CHUNK_ELEMENTS` selected elements (a matrix larger
+than that alone): a chunk's leaving columns are gathered on the device into one buffer and copied down with one
+copy, its entering columns are gathered on the host and copied up with one copy, and every index the device needs
 goes up in one copy; one synchronisation waits for all of them before the host scatters the leaving values (no
-per-matrix syncs). The host side stages through the group's window rows, idle at a selection (shared, and pinned on
-CUDA), so a selection usually allocates no new pinned memory (:func:`staging_buffers`). Entering and leaving
+per-matrix syncs). The chunks bound a selection's device transient (the arriving columns, the new state beside the
+old) to a constant or one matrix's share, not the model's: the old state of a chunk's matrices is released before
+the next chunk arrives. Chunks change no value: each matrix's migration is independent of the others'. The host
+side stages through the group's window rows, idle at a selection (shared, and pinned on CUDA), so a selection
+usually allocates no new pinned memory (:func:`staging_buffers`). Entering and leaving
 columns are disjoint, so the host gather and the host scatter never touch the same values.
 
 Under data parallel a rank holds the host state of its own rows only: it copies down its rows of the leaving
@@ -33,6 +37,10 @@ from lightning_zenflow.engine.device import DeviceUpdater, SelectedState
 from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers
 from lightning_zenflow.engine.ranks import Ranks
+
+MIGRATION_CHUNK_ELEMENTS = 1 << 23
+"""Selected elements (rows x selected columns) of the matrices one chunk of a migration moves at once: with the 24 B
+(36 B under data parallel) a selected element holds for a moment, a transient of about 200 (300) MiB."""
 
 MOMENT_ROWS = ("exp_avg", "exp_avg_sq")
 
@@ -99,11 +107,39 @@ def migrate(
     moved = Moved()
     # host wait for every lane: the host block is read and written below, and nothing may still use it
     lanes.synchronize()
-    for group_index, host in enumerate(host_buffers):
-        group_plans = [p for p in plans if p.state.slot.group_index == group_index]
-        if group_plans:
-            _migrate_group(lanes, updater, host, group_plans, ranks, moved)
+    by_group = [[p for p in plans if p.state.slot.group_index == index] for index in range(len(host_buffers))]
+    del plans
+    for host, group_plans in zip(host_buffers, by_group):
+        for chunk in migration_chunks(
+            [p.state.slot.rows * p.new_selected.numel() for p in group_plans], MIGRATION_CHUNK_ELEMENTS
+        ):
+            _migrate_group(lanes, updater, host, [group_plans[i] for i in chunk], ranks, moved)
+            for i in chunk:  # the replaced state goes (the updater holds the new one): the next chunk reuses its memory
+                group_plans[i].state = None  # type: ignore[assignment]
     return moved
+
+
+def migration_chunks(selected_elements: Sequence[int], limit: int = MIGRATION_CHUNK_ELEMENTS) -> list[list[int]]:
+    """Consecutive runs of matrices (their positions) whose selected elements sum to at most ``limit``, or one
+    matrix alone where it is larger. Under data parallel every rank holds the same matrices' whole rows and the same
+    selection, so every rank cuts the same chunks (their collectives match)."""
+    chunks: list[list[int]] = []
+    total = 0
+    for index, size in enumerate(selected_elements):
+        if not chunks or total + size > limit:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(index)
+        total += size
+    return chunks
+
+
+def peak_chunk_elements(selected_elements: Sequence[int], limit: int = MIGRATION_CHUNK_ELEMENTS) -> int:
+    """The selected elements of the largest chunk :func:`migration_chunks` cuts: what a selection's transient scales
+    with."""
+    return max(
+        (sum(selected_elements[i] for i in chunk) for chunk in migration_chunks(selected_elements, limit)), default=0
+    )
 
 
 def staging_buffers(

@@ -20,8 +20,6 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
 from lightning_zenflow.engine.accumulate import AUTO_DEVICE_MARGIN
 from lightning_zenflow.engine.budget import (
-    SELECTION_TRANSIENT_BYTES,
-    SELECTION_TRANSIENT_SHARDED_BYTES,
     device_parts,
     host_parts,
     may_go_to_host,
@@ -237,8 +235,8 @@ def _auto_mode(row: Row, config: ZenFlowConfig, matrices: list, work: Workload, 
     going = [m for m in matrices if may_go_to_host(config, m)]
     need = sum(m.host_numel * host_format.window.itemsize for m in going)
     need += min(LANDING_CHUNK_BYTES, max((4 * m.host_numel for m in going), default=0))
-    per_selected = 16 + (SELECTION_TRANSIENT_SHARDED_BYTES if sharded else SELECTION_TRANSIENT_BYTES)
-    need += sum(per_selected * m.rows * num_selected_columns(m.cols, config.topk_ratio) + 8 * m.cols for m in matrices)
+    need += sum(16 * m.rows * num_selected_columns(m.cols, config.topk_ratio) + 8 * m.cols for m in matrices)
+    need += selection_transient_bytes(matrices, config, sharded)  # the largest chunk of a migration
     free = row.device_capacity - row.device["weights"] - row.device["gradients"]
     return "device" if need * AUTO_DEVICE_MARGIN <= free else "host"
 
