@@ -656,8 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results, model_bytes, n_params)
     print_report(results, summary, device.type == "cuda")
     ideal = next(iter(summary.values()))["ideal_speedup_over_sync_offload"] if summary else math.nan
+    ideal_text = f"{ideal:.2f}x" if math.isfinite(ideal) else "- (this run has not both rows)"
     print(
-        f"\nideal speedup over sync-offload = sync-offload / no-offload = {ideal:.2f}x; 'of ideal' = speedup / ideal "
+        f"\nideal speedup over sync-offload = sync-offload / no-offload = {ideal_text}; 'of ideal' = speedup / ideal "
         "(= no-offload / step); 'gain recovered' = (speedup - 1) / (ideal - 1)."
     )
     print(

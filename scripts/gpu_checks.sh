@@ -12,7 +12,7 @@
 #   gpu_tests_lightning.txt/.xml the Lightning fits on CUDA
 #   gpu_tests_nccl.txt/.xml      on 2+ GPUs only: data parallel and FSDP2 (zenflow_fsdp) over NCCL
 #   offload_trace.json        offload_bench.py --profile: a torch.profiler Chrome trace of a few ZenFlow steps of the
-#                             1.2B GPT (open in chrome://tracing, Perfetto)
+#                             1.2B GPT (open in chrome://tracing, Perfetto); offload_profile.json: that row's numbers
 #   kernel_bench_cuda.*       benchmarks/kernel_bench.py --device cuda: the interim moves' kernels against fused AdamW
 #   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each),
 #                             the defaults (interim moves on) beside "zenflow no-moves"
