@@ -234,6 +234,26 @@ def test_offload_bench_profiles_the_zenflow_row(tmp_path: pathlib.Path) -> None:
     assert {"aten::mm", "aten::addmm"} & names, "the forward and backward's matrix products are in the trace"
 
 
+def test_plan_bench_quick(tmp_path: pathlib.Path) -> None:
+    """``plan_bench.py --quick``: the planner's step against the measured one for synchronous offload and the
+    defaults. Whether a prediction lands within the target depends on the machine's load; the exit status must say
+    whether they all did, and every number the comparison is built from must be there."""
+    out = tmp_path / "plan_bench.json"
+    code, stdout = run_main("plan_bench", "--quick", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert "Predicted against measured step" in stdout
+    check_machine(result["machine"])
+    rows = {row["name"]: row for row in result["rows"]}
+    assert set(rows) == {"sync-offload", "zenflow"}
+    assert positive(result["measured_s"]["fwd+bwd"])
+    for name, row in rows.items():
+        assert positive(row["measured_s"]) and positive(row["predicted_s"]), name
+        assert row["error"] == pytest.approx(row["predicted_s"] / row["measured_s"] - 1), name
+        assert row["within_target"] == (abs(row["error"]) <= result["target"]), name
+    assert code == (0 if all(row["within_target"] for row in rows.values()) else 1)
+    assert result["rates"], "plan --measure measured no rate"
+
+
 def test_finetune_quality_quick(tmp_path: pathlib.Path) -> None:
     stdout, result, _ = run_quick("finetune_quality", tmp_path, "--cache", str(tmp_path / "cache"))
     for header in ("Main rows", "Held-out loss during fine-tuning", "Gradient concentration", "sync-offload vs AdamW"):
