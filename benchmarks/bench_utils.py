@@ -1,8 +1,10 @@
 """The frame every benchmark script shares: arguments, the machine line, core pinning, statistics, tables, the JSON
-footer, plots.
+footer, plots; and the training pieces several use (the demo's AdamW groups, seeded builds, token windows, optimizer
+bytes, a median timer).
 
-Not a benchmark itself. The scripts import it as ``bench_utils`` (Python puts the script's folder on ``sys.path``);
-training loops and optimizer setup that several scripts share are in ``bench_train``. A script's frame::
+Not a benchmark itself. The scripts import it as ``bench_utils`` (Python puts the script's folder on ``sys.path``). It
+imports torch only: the engine's spawned host worker re-imports the running script's top level, which should stay
+cheap. A script's frame::
 
     parser = bench_utils.make_parser(__doc__)
     bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="...")   # --quick, --out (and --seed, --plot, --device)
@@ -27,8 +29,9 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -374,3 +377,64 @@ def save_figure(plt: Any, figure: Any, axes: Any, path: pathlib.Path, title: str
 def command_line() -> str:
     """The command that produced this run, for the JSON."""
     return " ".join([pathlib.Path(sys.executable).name, *sys.argv])
+
+
+# ------------------------------------------------------------------------------------------- training pieces
+def decay_groups(params: Iterable[torch.Tensor]) -> list[dict[str, Any]]:
+    """The demo's two groups: matrices and embeddings with weight decay 0.1, biases and norms without."""
+    params = list(params)
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def demo_adamw(params: Iterable[torch.Tensor], lr: float, **kwargs: Any) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``decay_groups`` with the demo's betas (0.9, 0.95) and eps 1e-8."""
+    return torch.optim.AdamW(decay_groups(params), lr=lr, betas=(0.9, 0.95), eps=1e-8, **kwargs)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (moments, step counts)."""
+    return sum(value.nbytes for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value))
+
+
+def build_seeded(build: Callable[[], T], seed: int) -> T:
+    """``build()`` under ``torch.manual_seed(seed)``, the caller's random state untouched: the same initial weights
+    for every configuration of a comparison."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # seeds the CUDA generator too
+        return build()
+
+
+def windows(tokens: torch.Tensor, starts: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets: the ``block + 1`` tokens from each of ``starts``, shifted by one."""
+    index = starts.reshape(-1, 1) + torch.arange(block + 1)
+    window = tokens[index].long()
+    return window[:, :-1], window[:, 1:]
+
+
+def time_median(
+    fn: Callable[[], Any],
+    repeats: int,
+    *,
+    warmups: int = 1,
+    prepare: Callable[[], None] | None = None,
+    device: torch.device | None = None,
+) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmups`` untimed ones; ``prepare()`` runs untimed
+    before each call. On CUDA the clock waits for queued work before and after each call, so it sees ``fn`` alone."""
+    cuda = device is not None and device.type == "cuda"
+    times = []
+    for index in range(warmups + repeats):
+        if prepare is not None:
+            prepare()
+        if cuda:
+            torch.cuda.synchronize(device)  # timing only: queued work has finished before the clock starts
+        started = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)  # timing only: fn's kernels have finished
+        if index >= warmups:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -46,7 +46,6 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-import bench_train
 import bench_utils
 import torch
 import torch.multiprocessing as mp
@@ -119,7 +118,7 @@ class MLPStack(nn.Module):
 
 def build_model(args: argparse.Namespace) -> MLPStack:
     # the same initial weights at every rank count
-    return bench_train.build_seeded(lambda: MLPStack(args.width, args.layers), args.seed)
+    return bench_utils.build_seeded(lambda: MLPStack(args.width, args.layers), args.seed)
 
 
 def global_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +174,7 @@ def run_mode(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
     model = build_model(args)
     params = list(model.parameters())
     # only carries the param groups and hyperparameters (torch's default betas); the engine steps
-    optimizer = torch.optim.AdamW(bench_train.decay_groups(params), lr=args.lr)
+    optimizer = torch.optim.AdamW(bench_utils.decay_groups(params), lr=args.lr)
     engine = ZenFlowEngine(
         optimizer,
         # the defaults otherwise (topk_ratio 0.1, update_interval 4, overlap on), without the warm-up: the steady state
@@ -462,22 +461,9 @@ def run(args: argparse.Namespace) -> int:
             "times are not a GPU prediction."
         ),
         settings={
-            "width": args.width,
-            "layers": args.layers,
-            "n_params": n_params,
-            "model_bytes": model_bytes,
-            "dtype": "float32",
-            "batch_per_rank_at_2": args.batch,
-            "global_batch": 2 * args.batch,
-            "tokens": args.tokens,
-            "lr": args.lr,
-            "seed": args.seed,
-            "modes": args.modes,
-            "topk_ratio": 0.1,
-            "update_interval": 4,
-            "overlap_step": True,
-            "warmup_steps": args.warmup_steps,
-            "measured_steps": args.steps,
+            **bench_utils.settings_of(args, skip=("out", "steps")),
+            **{"n_params": n_params, "model_bytes": model_bytes, "dtype": "float32", "global_batch": 2 * args.batch},
+            **{"topk_ratio": 0.1, "update_interval": 4, "overlap_step": True, "measured_steps": args.steps},
         },
         launches=[{k: v for k, v in launch_.items() if k != "records"} for launch_ in launches],
         records=records,

@@ -44,9 +44,9 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import bench_train
 import bench_utils
 import torch
 
@@ -231,6 +231,149 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+# ------------------------------------------------------------------------------------------------- the loop
+def demo_gpt(args: Any) -> torch.nn.Module:
+    """A fresh demo GPT of ``args``' shape (``n_layer``, ``n_embd``, ``n_head``, ``block_size``). Lightning is
+    imported here, not at the top level of the scripts that use it."""
+    from lightning_zenflow.demo import GPT, GPTConfig
+
+    return GPT(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size))
+
+
+class AdamWStep:
+    """The reference: ``optimizer.step()`` in the training process."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def before_forward(self) -> None:
+        pass
+
+    def step(self) -> float:
+        self.optimizer.step()
+        return 0.0
+
+    def settle(self, last: bool) -> None:
+        pass
+
+
+class EngineStep:
+    """A started ``ZenFlowEngine``: waits for the device update before each forward, syncs before evaluations and
+    flushes at the end (as ``ZenFlowStrategy`` does at validation and at the end of fit)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.selections: list[dict[str, Any]] = []
+        self.t = 0
+
+    def before_forward(self) -> None:
+        self.engine.wait_for_update()  # the forward reads weights the last device update wrote
+
+    def step(self) -> float:
+        self.t += 1
+        stats = self.engine.step()
+        if stats.refreshed:
+            self.selections.append(
+                {"step": self.t, "overlap": stats.selection_overlap, "captured": stats.selection_captured}
+            )
+        return stats.stall_s
+
+    def settle(self, last: bool) -> None:
+        # apply host work in flight (sync) or everything (flush, at the end) before measuring the model
+        self.engine.flush() if last else self.engine.sync()
+        self.engine.wait_for_update()
+
+
+@contextlib.contextmanager
+def stepping(
+    optimizer: torch.optim.Optimizer, engine: Callable[[], Any] | None, train_cores: Sequence[int]
+) -> Iterator[AdamWStep | EngineStep]:
+    """The row's stepper for the block: ``engine()`` builds an engine, started here and closed after; without one
+    the AdamW reference runs pinned to ``train_cores`` with one thread each, as the engine pins its training
+    process, so matmul reductions match across the rows."""
+    if engine is None:
+        with bench_utils.pinned(train_cores):
+            yield AdamWStep(optimizer)
+    else:
+        with engine() as started:
+            yield EngineStep(started)
+
+
+@dataclasses.dataclass
+class Curve:
+    """What ``train`` records: the held-out loss at step 0, every ``eval_every`` steps and at the end, with the
+    training time spent until then (evaluations and ``after_backward`` excluded), and every step's training loss."""
+
+    eval_steps: list[int] = dataclasses.field(default_factory=list)
+    eval_loss: list[float] = dataclasses.field(default_factory=list)
+    eval_train_s: list[float] = dataclasses.field(default_factory=list)
+    train_loss: list[float] = dataclasses.field(default_factory=list)
+    train_s: float = 0.0
+    stall_s: float = 0.0
+    started: float = 0.0
+    """``perf_counter()`` after the step-0 evaluation, when the first step began."""
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stepper: AdamWStep | EngineStep,
+    batches: Iterable[Any],
+    *,
+    steps: int,
+    eval_every: int | None = None,
+    evaluate: Callable[[], float] | None = None,
+    scheduler: Any = None,
+    batch_of: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    after_backward: Callable[[int], None] | None = None,
+    log_every: int | None = None,
+) -> Curve:
+    """Train on ``batches`` (each ``(x, y)``, or ``batch_of(item)``; the model returns ``(logits, loss)``): forward,
+    backward, ``stepper.step()``, ``zero_grad``, ``scheduler.step()``. With ``evaluate``: its value at step 0, every
+    ``eval_every`` steps and at step ``steps``, each after ``stepper.settle()``. ``after_backward(step)`` runs between
+    the backward and the step (its time not counted); ``log_every`` prints the mean training loss that often."""
+    curve = Curve()
+    if evaluate is not None:
+        curve.eval_steps.append(0)
+        curve.eval_loss.append(evaluate())
+        curve.eval_train_s.append(0.0)
+    curve.started = time.perf_counter()
+    for step, item in enumerate(batches, start=1):
+        started = time.perf_counter()
+        stepper.before_forward()
+        x, y = item if batch_of is None else batch_of(item)
+        _, loss = model(x, y)
+        loss.backward()
+        if after_backward is not None:
+            curve.train_s += time.perf_counter() - started
+            after_backward(step)
+            started = time.perf_counter()
+        curve.stall_s += stepper.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        curve.train_loss.append(loss.item())
+        curve.train_s += time.perf_counter() - started
+        if log_every and step % log_every == 0:
+            print(f"  step {step}: train loss {statistics.fmean(curve.train_loss[-log_every:]):.3f}", flush=True)
+        last = step == steps
+        if evaluate is not None and (step % eval_every == 0 or last):
+            stepper.settle(last)
+            curve.eval_steps.append(step)
+            curve.eval_loss.append(evaluate())
+            curve.eval_train_s.append(curve.train_s)
+    return curve
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The mean loss over ``batches`` in eval mode (the model returns ``(logits, loss)``); back to train mode after."""
+    model.eval()
+    losses = [model(x, y)[1].item() for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
 # --------------------------------------------------------------------------------------------------- corpora
 @dataclasses.dataclass
 class Corpora:
@@ -301,12 +444,12 @@ def random_batches(tokens: torch.Tensor, steps: int, batch: int, block: int, see
 def eval_set(tokens: torch.Tensor, blocks: int, block: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``blocks`` windows spread evenly over ``tokens``, in batches of ``batch``."""
     starts = torch.linspace(0, tokens.numel() - block - 1, blocks).long()
-    return [bench_train.windows(tokens, chunk, block) for chunk in starts.split(batch)]
+    return [bench_utils.windows(tokens, chunk, block) for chunk in starts.split(batch)]
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
-    """The demo's AdamW (``bench_train.demo_adamw``) with the plain per-parameter loop (foreach and fused off)."""
-    return bench_train.demo_adamw(model.parameters(), lr, foreach=False, fused=False)
+    """The demo's AdamW (``bench_utils.demo_adamw``) with the plain per-parameter loop (foreach and fused off)."""
+    return bench_utils.demo_adamw(model.parameters(), lr, foreach=False, fused=False)
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, warmup: int, kind: str, steps: int) -> Any:
@@ -345,7 +488,7 @@ def load_or_pretrain(args: argparse.Namespace, corpora: Corpora) -> tuple[dict[s
         print(f"base: cached {path.name} (pre-trained in {record['seconds']:.0f} s)")
         return saved["model"], record
     torch.manual_seed(settings["seed"])
-    model = bench_train.demo_gpt(args)
+    model = demo_gpt(args)
     optimizer = make_optimizer(model, args.pretrain_lr)
     scheduler = lr_schedule(optimizer, settings["warmup"], "cosine", args.pretrain_steps)
     starts = random_batches(corpora.code_train, args.pretrain_steps, args.pretrain_batch, args.block_size, 0, "pre")
@@ -355,14 +498,14 @@ def load_or_pretrain(args: argparse.Namespace, corpora: Corpora) -> tuple[dict[s
     torch.set_num_threads(threads)
     started = time.perf_counter()
     try:
-        losses = bench_train.train(
+        losses = train(
             model,
             optimizer,
-            bench_train.AdamWStep(optimizer),
+            AdamWStep(optimizer),
             starts,
             steps=args.pretrain_steps,
             scheduler=scheduler,
-            batch_of=lambda step_starts: bench_train.windows(corpora.code_train, step_starts, args.block_size),
+            batch_of=lambda step_starts: bench_utils.windows(corpora.code_train, step_starts, args.block_size),
             log_every=100,
         ).train_loss
     finally:
@@ -466,13 +609,13 @@ class Setting:
 
     def batch(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fine-tuning batch of windows of the prose corpus starting at ``starts``."""
-        return bench_train.windows(self.corpora.prose_train, starts, self.args.block_size)
+        return bench_utils.windows(self.corpora.prose_train, starts, self.args.block_size)
 
     def start(self, seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW, Any, torch.Tensor]:
         """A fine-tune's model (the base), optimizer, lr schedule and batch starts (fixed by ``seed``)."""
         args = self.args
         torch.manual_seed(seed)
-        model = bench_train.demo_gpt(args)
+        model = demo_gpt(args)
         model.load_state_dict(self.base)
         model.to(getattr(torch, args.weights_dtype))
         optimizer = make_optimizer(model, args.finetune_lr)
@@ -517,15 +660,15 @@ def finetune(row: Row, seed: int, setting: Setting) -> dict[str, Any]:
         steps_per_epoch = None if args.epoch_unknown else setting.steps_per_epoch
         return ZenFlowEngine(optimizer, config, param_names=names, steps_per_epoch=steps_per_epoch)
 
-    with bench_train.stepping(optimizer, None if config is None else engine, setting.train_cores) as stepper:
-        curve = bench_train.train(
+    with stepping(optimizer, None if config is None else engine, setting.train_cores) as stepper:
+        curve = train(
             model,
             optimizer,
             stepper,
             starts,
             steps=args.finetune_steps,
             eval_every=args.eval_every,
-            evaluate=lambda: bench_train.evaluate(fp32_view(model), setting.eval_batches),
+            evaluate=lambda: evaluate(fp32_view(model), setting.eval_batches),
             scheduler=scheduler,
             batch_of=setting.batch,
             after_backward=record_probe if config is None else None,  # the premise, measured on AdamW's gradients
@@ -714,11 +857,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     base, base_record = load_or_pretrain(args, corpora)
     setting = build_setting(args, corpora, base)
-    model = bench_train.demo_gpt(args)
+    model = demo_gpt(args)
     model.load_state_dict(base)
     base_loss = {
-        "code": bench_train.evaluate(model, eval_set(corpora.code_heldout, args.eval_blocks, args.block_size, 16)),
-        "prose": bench_train.evaluate(model, setting.eval_batches),
+        "code": evaluate(model, eval_set(corpora.code_heldout, args.eval_blocks, args.block_size, 16)),
+        "prose": evaluate(model, setting.eval_batches),
     }
     n_params = model.num_parameters()
     del model

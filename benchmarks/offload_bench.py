@@ -28,6 +28,10 @@ ratio it reached.
     python benchmarks/offload_bench.py                  # CPU surrogate, full sweep (a few minutes on 2 quiet cores)
     python benchmarks/offload_bench.py --quick          # smoke run, < 60 s
     python benchmarks/offload_bench.py --device cuda    # 1.2B bf16 GPT on one GPU, < 5 minutes
+    python benchmarks/offload_bench.py --device cuda --profile trace.json   # a Chrome trace of the zenflow row
+
+``--profile PATH`` runs the ``zenflow`` row alone and its measured steps under ``torch.profiler`` (CPU and CUDA
+activities), prints the busiest operators and writes a Chrome trace (chrome://tracing, Perfetto) to PATH.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import sys
 import time
 from typing import Any
 
-import bench_train
 import bench_utils
 import torch
 from offload_report import plot, print_report, summarize, target_checks
@@ -109,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="with --block-size: skip the calibration.")
     parser.add_argument("--block-size", type=int, default=None, help="with --batch-size: skip the calibration.")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--profile", type=pathlib.Path, default=None, help="the zenflow row alone, its steps traced to this path."
+    )
     args = parser.parse_args(argv)
     if (args.batch_size is None) != (args.block_size is None):
         parser.error("give --batch-size and --block-size together (or neither, to calibrate tokens per step).")
@@ -192,6 +198,8 @@ def build_specs(args: argparse.Namespace) -> list[Spec]:
     ]
     if args.device == "cuda":
         specs.append(Spec("torchao-offload", "torchao"))
+    if args.profile is not None:
+        return [spec for spec in specs if spec.name == "zenflow"]
     if args.no_sweep:
         return specs
     rhos = (
@@ -225,7 +233,7 @@ def build_model(shape: ModelShape, block: int, seed: int, device: torch.device) 
         with torch.device(device):
             return GPT(gpt_config(shape, block))
 
-    return bench_train.build_seeded(build, seed).to(dtype=shape.dtype)
+    return bench_utils.build_seeded(build, seed).to(dtype=shape.dtype)
 
 
 def count_parameters(shape: ModelShape, block: int) -> int:
@@ -235,7 +243,7 @@ def count_parameters(shape: ModelShape, block: int) -> int:
 
 def make_optimizer(model: torch.nn.Module, lr: float, fused: bool) -> torch.optim.AdamW:
     """The demo's AdamW over its two groups (matrices with weight decay, biases and norms without)."""
-    return bench_train.demo_adamw(model.parameters(), lr, fused=fused)
+    return bench_utils.demo_adamw(model.parameters(), lr, fused=fused)
 
 
 def make_batches(
@@ -244,7 +252,7 @@ def make_batches(
     """``count`` batches of random windows of the corpus, the same for every configuration."""
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, corpus.numel() - block - 1, (count, batch), generator=generator)
-    return [tuple(part.to(device) for part in bench_train.windows(corpus, row, block)) for row in starts]
+    return [tuple(part.to(device) for part in bench_utils.windows(corpus, row, block)) for row in starts]
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -271,7 +279,7 @@ def calibrate(
     # the fused AdamW step does not depend on the tokens: measure it once (its first call allocates the moments)
     for param in model.parameters():
         param.grad = torch.randn_like(param) * 1e-3
-    adamw_s = bench_train.time_median(optimizer.step, repeats, device=device)
+    adamw_s = bench_utils.time_median(optimizer.step, repeats, device=device)
     model.zero_grad(set_to_none=True)
     rows = []
     chosen = None
@@ -283,7 +291,7 @@ def calibrate(
             _, loss = model(x, y)
             loss.backward()
 
-        fwd_bwd_s = bench_train.time_median(fwd_bwd, repeats, device=device)
+        fwd_bwd_s = bench_utils.time_median(fwd_bwd, repeats, device=device)
         ratio = adamw_s / fwd_bwd_s
         rows.append(
             {
@@ -314,60 +322,36 @@ def calibrate(
 
 
 # ---------------------------------------------------------------------------------------------------- the runs
-class StepClock:
-    """Per-step durations. CPU: ``perf_counter`` at each step boundary (the loop runs synchronously).
-
-    CUDA: an event recorded on the compute stream at each step boundary, right after ``wait_for_update()``; the
-    durations are read after one ``torch.cuda.synchronize()`` at the end of the measurement window, so the timed
-    loop has no host sync of its own. A gap between two events is GPU time, idle time included (a device waiting
-    for the host shows as a longer step).
+class Clock:
+    """Step boundaries (``mark``) and spans (``span``, the no-offload baseline's optimizer step). CPU: ``perf_counter``
+    (the loop runs synchronously). CUDA: events recorded on the compute stream, read after one
+    ``torch.cuda.synchronize()`` at the end of the measurement window, so the timed loop has no host sync of its own;
+    a gap between two events is GPU time, idle time included (a device waiting for the host shows as a longer step).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.is_cuda = device.type == "cuda"
         self.marks: list[Any] = []
+        self.spans: list[tuple[Any, Any]] = []
+
+    def now(self) -> Any:
+        if not self.is_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def mark(self) -> None:
-        if self.is_cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(self.now())
 
-    def durations(self) -> list[float]:
-        if self.is_cuda:
-            return [a.elapsed_time(b) / 1000.0 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+    @contextlib.contextmanager
+    def span(self) -> Any:
+        start = self.now()
+        yield
+        self.spans.append((start, self.now()))
 
-
-class SpanClock:
-    """Durations of one span per step (the optimizer step of the no-offload baseline): CPU clock or CUDA events."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.is_cuda = device.type == "cuda"
-        self.spans: list[Any] = []
-
-    def __enter__(self) -> SpanClock:
-        if self.is_cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.is_cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans.append((self._start, end))
-        else:
-            self.spans.append((self._start, time.perf_counter()))
-
-    def durations(self) -> list[float]:
-        if self.is_cuda:
-            return [a.elapsed_time(b) / 1000.0 for a, b in self.spans]
-        return [b - a for a, b in self.spans]
+    def seconds(self, pairs: Any) -> list[float]:
+        return [a.elapsed_time(b) / 1000.0 if self.is_cuda else b - a for a, b in pairs]
 
 
 def torchao_bytes(optimizer: Any) -> tuple[int | None, int | None]:
@@ -377,8 +361,8 @@ def torchao_bytes(optimizer: Any) -> tuple[int | None, int | None]:
         for p_host in optimizer.param_d2h_map.values():
             host += p_host.nbytes + (p_host.grad.nbytes if p_host.grad is not None else 0)
         for inner in optimizer.optim_dict.values():
-            host += bench_train.optimizer_state_bytes(inner)
-        device = bench_train.optimizer_state_bytes(optimizer.d_opt) if optimizer.d_opt is not None else 0
+            host += bench_utils.optimizer_state_bytes(inner)
+        device = bench_utils.optimizer_state_bytes(optimizer.d_opt) if optimizer.d_opt is not None else 0
     except AttributeError:
         return None, None
     return device, host
@@ -415,7 +399,7 @@ def run_spec(
         from torchao.optim import CPUOffloadOptimizer
 
         optimizer = CPUOffloadOptimizer(
-            bench_train.decay_groups(model.parameters()),
+            bench_utils.decay_groups(model.parameters()),
             torch.optim.AdamW,
             offload_gradients=False,
             lr=args.lr,
@@ -429,15 +413,21 @@ def run_spec(
         pin = bench_utils.pinned(train_cores)
         pin.__enter__()
     setup_s = time.perf_counter() - started
-    clock = StepClock(device)
-    optimizer_clock = SpanClock(device)
+    clock = Clock(device)
     stats = []
+    profiler = contextlib.nullcontext()
+    if args.profile is not None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
     try:
         wall_s = 0.0
         for index, (x, y) in enumerate(batches):
             if index == warmup:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # start of the measurement window: warm-up work has finished
+                profiler.__enter__()
                 wall_started = time.perf_counter()
             if engine is not None:
                 engine.wait_for_update()  # the forward reads weights the last device update / upload wrote
@@ -451,7 +441,7 @@ def run_spec(
                     stats.append(step_stats)
             elif optimizer is not None:
                 if index >= warmup:
-                    with optimizer_clock:
+                    with clock.span():
                         optimizer.step()
                 else:
                     optimizer.step()
@@ -465,6 +455,7 @@ def run_spec(
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # end of the measurement window: every step's work has finished
         wall_s = time.perf_counter() - wall_started
+        profiler.__exit__(None, None, None)
         if engine is not None:
             engine.flush()
     finally:
@@ -474,7 +465,13 @@ def run_spec(
         if engine is not None:
             device_bytes, host_bytes = engine.device_bytes(), engine.host_bytes()
             engine.close()
-    step_s = clock.durations()
+    if args.profile is not None:
+        sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(profiler.key_averages().table(sort_by=sort_by, row_limit=25))
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(args.profile))
+        print(f"wrote a Chrome trace of {len(stats)} steps of {spec.name} to {args.profile}")
+    step_s = clock.seconds(zip(clock.marks, clock.marks[1:]))
     result: dict[str, Any] = {
         "name": spec.name,
         "kind": spec.kind,
@@ -490,8 +487,8 @@ def run_spec(
         "final_loss": float(loss.detach().float()),
     }
     if spec.kind == "no-offload":
-        result["device_update_s"] = optimizer_clock.durations()
-        device_bytes, host_bytes = bench_train.optimizer_state_bytes(optimizer), 0
+        result["device_update_s"] = clock.seconds(clock.spans)
+        device_bytes, host_bytes = bench_utils.optimizer_state_bytes(optimizer), 0
     elif spec.kind == "torchao":
         device_bytes, host_bytes = torchao_bytes(optimizer)
     elif spec.kind == "engine":
@@ -615,15 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         print("selection: the engine's default (select_strategy='auto'); outside a Trainer it selects once, at step 1")
     else:
         print(f"selection: refreshed every {args.select_interval} steps (select_strategy='step')")
-    print(
-        "timing: "
-        + (
-            "CUDA events on the compute stream at each step boundary (after wait_for_update), one "
-            "synchronize per measurement window"
-            if not surrogate
-            else "perf_counter at each step boundary (the CPU loop is synchronous)"
-        )
-    )
+    cuda_timing = "CUDA events on the compute stream at each step boundary, one synchronize per measurement window"
+    print(f"timing: {'perf_counter at each step boundary (the CPU loop is synchronous)' if surrogate else cuda_timing}")
 
     batches = make_batches(corpus, warmup + steps, batch, block, args.seed + 1, device)
     # each configuration's raw record as it finishes (JSON lines), so a run killed by a timeout keeps its rows
@@ -666,8 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results, model_bytes, n_params)
     print_report(results, summary, device.type == "cuda")
     ideal = next(iter(summary.values()))["ideal_speedup_over_sync_offload"] if summary else math.nan
+    ideal_text = f"{ideal:.2f}x" if math.isfinite(ideal) else "- (this run has not both rows)"
     print(
-        f"\nideal speedup over sync-offload = sync-offload / no-offload = {ideal:.2f}x; 'of ideal' = speedup / ideal "
+        f"\nideal speedup over sync-offload = sync-offload / no-offload = {ideal_text}; 'of ideal' = speedup / ideal "
         "(= no-offload / step); 'gain recovered' = (speedup - 1) / (ideal - 1)."
     )
     print(
@@ -690,15 +681,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         timing_method="cuda_events_per_step" if not surrogate else "perf_counter_per_step",
         model={
-            "n_layer": shape.n_layer,
-            "n_embd": shape.n_embd,
-            "n_head": shape.n_head,
-            "block": block,
-            "batch": batch,
-            "tokens_per_step": batch * block,
-            "n_params": n_params,
-            "dtype": str(shape.dtype).removeprefix("torch."),
-            "model_bytes": model_bytes,
+            **{key: getattr(shape, key) for key in ("n_layer", "n_embd", "n_head")},
+            **{"block": block, "batch": batch, "tokens_per_step": batch * block, "n_params": n_params},
+            **{"dtype": str(shape.dtype).removeprefix("torch."), "model_bytes": model_bytes},
         },
         cores={"training_process": train_cores, "host_worker": host_cores},
         calibration=calibration,

@@ -67,61 +67,31 @@ def summarize(results: list[dict[str, Any]], model_bytes: int, n_params: int) ->
     return summary
 
 
+TIMING_COLUMNS = (
+    ("median ms", "median_step_s", 1e3), ("p99 ms", "p99_step_s", 1e3), ("p99/med", "p99_over_median", 1),
+    ("x no-offload", "ratio_to_no_offload", 1), ("speedup vs sync", "speedup_over_sync_offload", 1),
+    ("of ideal", "fraction_of_ideal_speedup", 1), ("gain recovered", "gain_recovered", 1),
+    ("stall %", "stall_share", 100), ("step/(fb+dev)", "step_over_fwd_bwd_plus_device_update", 1),
+)  # fmt: skip
+TRAFFIC_COLUMNS = (
+    ("PCIe/model B", "pcie_over_model_bytes", 1), ("budget", "pcie_budget", 1),
+    ("device B/param", "device_bytes_per_param", 1), ("host B/param", "host_bytes_per_param", 1),
+    ("dev upd ms", "device_update_median_s", 1e3), ("host upd ms", "host_update_median_s", 1e3),
+)  # fmt: skip
+"""The printed tables' columns: header, summary key, scale (a key a row lacks prints as '-')."""
+
+
 def print_report(results: list[dict[str, Any]], summary: dict[str, dict[str, Any]], is_cuda: bool) -> None:
-    timing_rows = []
-    for r in results:
-        s = summary[r["name"]]
-        timing_rows.append(
-            [
-                r["name"],
-                s["median_step_s"] * 1e3,
-                s["p99_step_s"] * 1e3,
-                s["p99_over_median"],
-                s["ratio_to_no_offload"],
-                s["speedup_over_sync_offload"],
-                s["fraction_of_ideal_speedup"],
-                s["gain_recovered"],
-                None if "stall_share" not in s else 100 * s["stall_share"],
-                s.get("step_over_fwd_bwd_plus_device_update"),
-            ]
-        )
-    bench_utils.print_table(
-        "\nStep time (median and p99 over the measured steps)",
-        [
-            "config",
-            "median ms",
-            "p99 ms",
-            "p99/med",
-            "x no-offload",
-            "speedup vs sync",
-            "of ideal",
-            "gain recovered",
-            "stall %",
-            "step/(fb+dev)",
-        ],
-        timing_rows,
-    )
-    traffic_rows = []
-    for r in results:
-        s = summary[r["name"]]
-        row = [
-            r["name"],
-            s.get("pcie_over_model_bytes"),
-            s.get("pcie_budget"),
-            s.get("device_bytes_per_param"),
-            s.get("host_bytes_per_param"),
-            None if s.get("device_update_median_s") is None else s["device_update_median_s"] * 1e3,
-            None if s.get("host_update_median_s") is None else s["host_update_median_s"] * 1e3,
-        ]
-        if is_cuda:
-            row.append(s.get("peak_device_memory_gib"))
-        traffic_rows.append(row)
-    headers = ["config", "PCIe/model B", "budget", "device B/param", "host B/param", "dev upd ms", "host upd ms"]
-    if is_cuda:
-        headers.append("peak GiB")
-    bench_utils.print_table(
-        "\nTraffic and memory (bytes per step over model bytes; optimizer bytes per parameter)", headers, traffic_rows
-    )
+    traffic = TRAFFIC_COLUMNS + ((("peak GiB", "peak_device_memory_gib", 1),) if is_cuda else ())
+    for title, columns in (
+        ("\nStep time (median and p99 over the measured steps)", TIMING_COLUMNS),
+        ("\nTraffic and memory (bytes per step over model bytes; optimizer bytes per parameter)", traffic),
+    ):
+        rows = []
+        for r in results:
+            values = [summary[r["name"]].get(key) for _, key, _ in columns]
+            rows.append([r["name"], *(None if v is None else v * scale for v, (*_, scale) in zip(values, columns))])
+        bench_utils.print_table(title, ["config", *(header for header, _, _ in columns)], rows)
 
 
 def target_checks(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ step of both from the model's shapes, the measured T_fb and this machine's rates
 host add on the training process's). The target: each prediction within 25 % of the measured median.
 
     python benchmarks/plan_bench.py            # a few minutes on 2 quiet cores
-    python benchmarks/plan_bench.py --quick    # small model, few steps: a smoke run
+    python benchmarks/plan_bench.py --quick    # small model, few steps, rates measured briefly: a smoke run
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ COMPARED = ("sync-offload", "zenflow")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = bench_utils.make_parser(__doc__)
-    bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="small model, few steps: a smoke run.", seed="")
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        quick="small model, few steps; the host step timed on 1M elements, the engine's device work not timed (the "
+        "planner's estimate instead): a smoke run.",
+        seed="",
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured steps per configuration (32; quick 8).")
     parser.add_argument("--warmup-steps", type=int, default=None, help="steps excluded (8; quick 4).")
     args = parser.parse_args(argv)
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = measure(
         Machine(device_type="cpu", device_memory=memory, host_memory=memory),
         _formats(ZenFlowConfig(), Workload("32-true")),
+        **({"elements": 1 << 20, "device_work": False} if args.quick else {}),
     )
     measure_s = time.perf_counter() - started
     work = Workload("32-true", batch, block, fwd_bwd_s=measured["fwd+bwd"])

@@ -7,13 +7,13 @@
 #                             pyproject.toml), the wheels it installs from .whl/ (scripts/gpu_wheels.sh downloads
 #                             them: the machine reaches no package index), and the same list after the install
 #   env.txt                   the machine: nvidia-smi, driver, torch and CUDA versions, cores, memory, /dev/shm, ulimit -l
-#   gpu_stall.jsonl / .txt    benchmarks/gpu_stall.py at realistic sizes, ZenFlow rows first (one JSON line per row)
 #   gpu_tests_engine.txt/.xml    every test marked gpu, in every test file (pytest -m gpu), but Lightning's; -v: one
 #                                line per test as it finishes, so a timeout keeps what ran
 #   gpu_tests_lightning.txt/.xml the Lightning fits on CUDA
 #   gpu_tests_nccl.txt/.xml      on 2+ GPUs only: data parallel and FSDP2 (zenflow_fsdp) over NCCL
-#   gpu_stall_trace.json      a torch.profiler Chrome trace of a few ZenFlow steps (open in chrome://tracing, Perfetto)
-#   moves_bench_cuda.*        benchmarks/moves_bench.py --device cuda: the interim moves' kernels against fused AdamW
+#   offload_trace.json        offload_bench.py --profile: a torch.profiler Chrome trace of a few ZenFlow steps of the
+#                             1.2B GPT (open in chrome://tracing, Perfetto); offload_profile.json: that row's numbers
+#   kernel_bench_cuda.*       benchmarks/kernel_bench.py --device cuda: the interim moves' kernels against fused AdamW
 #   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each),
 #                             the defaults (interim moves on) beside "zenflow no-moves"
 #   steps.txt                 each step's exit status and seconds (124: it hit its timeout), or "skipped: why"
@@ -186,17 +186,11 @@ else
   skip_step gpu_tests_nccl "$gpus CUDA device(s) here, the NCCL tests need 2"
 fi
 
-if [[ $device == cuda ]]; then
-  run_step gpu_stall 120 "$python" benchmarks/gpu_stall.py "${bench[@]}" --budget-s 25 --out "$out/gpu_stall.jsonl"
-else
-  run_step gpu_stall 120 "$python" benchmarks/gpu_stall.py "${bench[@]}" --out "$out/gpu_stall.jsonl"
-fi
-
-run_step gpu_stall_profile 60 "$python" benchmarks/gpu_stall.py "${bench[@]}" --warmup-steps 8 --profile-steps 8 \
-  --profile "$out/gpu_stall_trace.json"
+run_step offload_profile 90 "$python" benchmarks/offload_bench.py "${bench[@]}" --warmup-steps 8 --steps 8 \
+  --profile "$out/offload_trace.json" --out "$out/offload_profile.json"
 
 # the interim moves' kernels (Triton, from the same source as the CPU's) against fused AdamW on the GPU
-run_step moves_bench_cuda 60 "$python" benchmarks/moves_bench.py "${bench[@]}" --out "$out/moves_bench_cuda.json"
+run_step kernel_bench_cuda 60 "$python" benchmarks/kernel_bench.py "${bench[@]}" --out "$out/kernel_bench_cuda.json"
 
 # what is left of the 8 minutes: the ZenFlow row runs first and every row is written as it finishes
 if [[ $device == cuda ]]; then

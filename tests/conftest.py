@@ -121,7 +121,6 @@ SPARE_WORKER_MODULES = frozenset(
         "test_lightning_surface",
         "test_lightning_telemetry",
         "test_lightning_validation",
-        "test_rule_variants",
     }
 )
 """Modules whose engines may adopt a closed engine's host worker (``engine/spares.py``) instead of spawning one: they

@@ -99,3 +99,51 @@ def test_every_shipped_yaml_parses_through_the_cli(
     printed = capsys.readouterr().out
     assert "strategy:" in printed
     assert re.search(r"class_path: lightning_zenflow\.(demo|llm)\.", printed)
+
+
+# ------------------------------------------------------------------------------------------------ benchmarks
+BENCHMARKS = ROOT / "benchmarks"
+BENCHMARK_HELPERS = {"bench_utils", "offload_report", "domains"}
+"""The scripts in benchmarks/ that are imported by the others, not run: each other script answers one question."""
+
+
+def _benchmark_scripts() -> set[str]:
+    return {path.stem for path in BENCHMARKS.glob("*.py")} - BENCHMARK_HELPERS
+
+
+def _lines(paths) -> int:
+    return sum(len(path.read_text().splitlines()) for path in paths if path.is_file())
+
+
+def test_the_benchmarks_are_at_most_a_fifth_of_the_house() -> None:
+    """The benchmark scripts' lines against the package's, the benchmarks' and the scripts' (docs/development.md)."""
+    benchmarks = _lines(BENCHMARKS.glob("*.py"))
+    house = benchmarks + _lines((ROOT / "lightning_zenflow").rglob("*.py")) + _lines((ROOT / "scripts").glob("*"))
+    assert benchmarks <= house / 5, f"benchmarks/*.py: {benchmarks} lines of {house} ({benchmarks / house:.1%})"
+
+
+def test_the_benchmark_tables_list_exactly_the_scripts_that_exist() -> None:
+    table = (BENCHMARKS / "README.md").read_text().split("\n\n| script |", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"^\| `(\w+)\.py`", table, flags=re.M)) == _benchmark_scripts()
+    docs_commands = re.findall(r"^python benchmarks/(\w+)\.py", (ROOT / "docs" / "benchmarks.md").read_text(), re.M)
+    assert set(docs_commands) == _benchmark_scripts()
+
+
+@pytest.mark.parametrize(
+    "doc",
+    ["README.md", "benchmarks/README.md", *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+    + [f"scripts/{p.name}" for p in (ROOT / "scripts").glob("*.sh")],
+)
+def test_every_benchmark_command_names_a_script_and_flags_that_exist(doc: str) -> None:
+    """``python benchmarks/x.py --flag`` in the docs and the shell scripts: x exists and declares --flag (itself or
+    through bench_utils' common flags). RESULTS.md is left out: it keeps the commands of retired scripts, each with the
+    commit to check out first."""
+    text = (ROOT / doc).read_text().replace("\\\n", " ")
+    prefix = r"benchmarks/" if doc.endswith(".sh") else r"python benchmarks/"
+    common = (BENCHMARKS / "bench_utils.py").read_text()
+    for name, arguments in re.findall(prefix + r"(\w+)\.py([^`\n#;|]*)", text):
+        script = BENCHMARKS / f"{name}.py"
+        assert script.is_file(), f"{doc} runs benchmarks/{name}.py, which does not exist"
+        declared = set(re.findall(r'"(--[a-z][a-z0-9-]*)"', script.read_text() + common))
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", arguments):
+            assert flag in declared, f"{doc}: benchmarks/{name}.py has no {flag}"

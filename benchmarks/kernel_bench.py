@@ -1,6 +1,8 @@
-"""Throughput of the engine's host AdamW step against fused torch AdamW and a plain copy, same sizes and threads.
+"""The engine's kernels against fused torch AdamW, same sizes and threads: the host worker's AdamW step, the host add
+of ``accumulate_on="host"``, and the interim moves' passes on the training core (or the GPU).
 
-For each size (parameters, split into matrices of ``--chunk`` elements like a model's layers) and thread count:
+Table 1, the host AdamW step. For each size (parameters, split into matrices of ``--chunk`` elements like a model's
+layers) and thread count:
 
 - ``engine``: ``lightning_zenflow.engine.host.host_adam_update`` called in this process on shared host rows in the
   host format of ``--host-state`` (``engine/layout.py``), as the host worker runs it: one AdamW step from a window's
@@ -23,20 +25,30 @@ Bytes counted per parameter (what each kernel must move at least once):
 The ratio to fused AdamW compares parameters per second on the same cores (target >= 1.2 for the default bf16 state:
 it moves less than half the bytes); the fractions of copy and add_ bandwidth compare bytes per second.
 
-A second table, the host add of ``accumulate_on="host"`` (``HostAccumulation.add_staged``, what the helper thread runs
-per staged chunk into the packed accumulator), in elements per second against a plain contiguous fp32
-``acc.add_(src)`` of the same element count (target >= 0.8x), for an fp32 and a bf16 gradient, and the path it
-replaced (``index_add_`` of strided columns with ``alpha=1/S``, ATen's serial loop) on the same data.
+Table 2, the host add of ``accumulate_on="host"`` (``HostAccumulation.add_staged``, what the helper thread runs per
+staged chunk into the packed accumulator), in elements per second against a plain contiguous fp32 ``acc.add_(src)``
+of the same element count (target >= 0.8x), for an fp32 and a bf16 gradient, and the path it replaced (``index_add_``
+of strided columns with ``alpha=1/S``, ATen's serial loop) on the same data.
 
-    python benchmarks/host_adam.py                     # 1M, 16M, 64M parameters; 1 and 2 threads; bf16 state
-    python benchmarks/host_adam.py --host-state fp32   # the exact state
-    python benchmarks/host_adam.py --quick    # smoke run, < 60 s
+Table 3, the interim moves' passes (``engine/kernels.py``) over ``--moves-layers`` square ``--moves-width`` matrices
+(default four 2048 x 2048; eight 4096 x 4096 on a GPU), S = 4, median ms per step (one window of S steps is one
+statistics pass and S moves) against one fused AdamW step over the same matrices: compiled and eager, fp32 and bf16
+weights, the compiled ones also split into their move pass and their statistics pass. On the CPU they run on one core
+with one thread (the training process's share); with ``--device cuda`` only this table runs, on the GPU (the kernels
+Triton builds from the same source).
+
+    python benchmarks/kernel_bench.py                     # 1M, 16M, 64M parameters; 1 and 2 threads; bf16 state
+    python benchmarks/kernel_bench.py --host-state fp32   # the exact state
+    python benchmarks/kernel_bench.py --device cuda       # the moves' passes on one GPU, < 1 minute
+    python benchmarks/kernel_bench.py --quick             # smoke run, < 60 s
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import math
 import pathlib
 import statistics
 import sys
@@ -44,7 +56,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import bench_train
 import bench_utils
 import torch
 
@@ -58,20 +69,43 @@ from lightning_zenflow.engine.host import (
     WorkerSpec,
     host_adam_update,
 )
-from lightning_zenflow.engine.kernels import resolve_kernel_mode
+from lightning_zenflow.engine.interim import MatrixStatistics, derive_scales, update_statistics
+from lightning_zenflow.engine.kernels import Kernels, compiler_missing, resolve_kernel_mode
 
-DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "host_adam.json"
+DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "kernel_bench.json"
 TARGET_RATIO = 1.2
 
 HPARAMS = HyperParams(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
 STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ENGINE_BYTES = {"bf16": 12, "fp32": 24}
 """Bytes per parameter the engine's step moves at least once (see the module docstring)."""
+STEP_COLUMNS = {
+    "threads": ("threads", 1),
+    "engine_s": ("engine ms", 1e3),
+    "engine_params_per_s": ("engine Mparam/s", 1e-6),
+    "engine_gb_per_s": ("engine GB/s", 1),
+    "worker_compute_s": ("worker ms", 1e3),
+    "worker_wall_s": ("worker wall ms", 1e3),
+    "fused_adamw_s": ("AdamW ms", 1e3),
+    "fused_adamw_gb_per_s": ("AdamW GB/s", 1),
+    "ratio_to_fused_adamw": ("engine/AdamW", 1),
+    "copy_gb_per_s": ("copy GB/s", 1),
+    "engine_fraction_of_copy_bandwidth": ("engine/copy", 1),
+    "add_gb_per_s": ("add_ GB/s", 1),
+    "engine_fraction_of_add_bandwidth": ("engine/add_", 1),
+}
+"""Table 1's columns: the record's key, its header and the scale it is printed at."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = bench_utils.make_parser(__doc__)
-    bench_utils.add_common_args(parser, out=DEFAULT_OUT, quick="small sizes, one thread count: a < 60 s smoke run.")
+    bench_utils.add_common_args(
+        parser,
+        out=DEFAULT_OUT,
+        quick="small sizes, one thread count: a < 60 s smoke run.",
+        device=("cpu", "cuda"),
+        device_help="cpu: every table; cuda: the moves' passes on the GPU.",
+    )
     parser.add_argument(
         "--sizes", type=float, nargs="*", default=None, help="millions of parameters (default 1 16 64; quick 1 4)."
     )
@@ -91,19 +125,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per measurement (7; quick 3).")
     parser.add_argument("--copy-mb", type=int, default=None, help="size of the copy test in MB (256; quick 64).")
+    parser.add_argument("--moves-layers", type=int, default=None, help="matrices of table 3 (4; 8 on CUDA; quick 2).")
+    parser.add_argument("--moves-width", type=int, default=None, help="their width (2048; 4096 on CUDA; quick 256).")
     parser.add_argument(
         "--no-worker",
         action="store_true",
         help="skip the spawned-worker measurement (--quick measures it at the smallest size only).",
     )
     usable = len(bench_utils.available_cores())
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
     args = bench_utils.apply_quick_defaults(
-        parser.parse_args(argv),
+        args,
         {
             "sizes": ([1, 16, 64], [1, 4]),
             "threads": ([t for t in (1, 2) if t <= usable], [1]),
             "repeats": (7, 3),
             "copy_mb": (256, 64),
+            "moves_layers": (8 if cuda else 4, 2),
+            "moves_width": (4096 if cuda else 2048, 256),
         },
     )
     too_many = [t for t in args.threads if t > usable]
@@ -114,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def time_median(fn: Callable[[], Any], repeats: int, prepare: Callable[[], None] | None = None) -> float:
     """Median seconds of ``fn()`` over ``repeats`` calls after two untimed ones (``prepare()`` untimed before each)."""
-    return bench_train.time_median(fn, repeats, warmups=2, prepare=prepare)
+    return bench_utils.time_median(fn, repeats, warmups=2, prepare=prepare)
 
 
 class HostProblem:
@@ -235,12 +275,8 @@ def host_add_rates(numel: int, threads: int, cores: list[int], repeats: int) -> 
     return rates
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    info = bench_utils.announce(
-        "host_adam: the engine's host AdamW step vs fused torch AdamW vs a plain copy, same sizes and threads",
-        torch.device("cpu"),
-    )
+def host_tables(args: argparse.Namespace) -> dict[str, Any]:
+    """Tables 1 and 2 (the host step, the host add), printed; their records for the JSON."""
     state_dtype = STATE_DTYPES[args.host_state]
     engine_bytes_per_param = ENGINE_BYTES[args.host_state]
     adamw_bytes_per_param = 28
@@ -271,73 +307,35 @@ def main(argv: list[str] | None = None) -> int:
             # --quick spawns one worker only (the smallest size): a spawn costs seconds
             if not args.no_worker and not (args.quick and size != args.sizes[0]):
                 worker_compute_s, worker_wall_s = measure_worker(problem, threads, cores[:threads], args.repeats)
+            gb_per_s = {"engine": numel * engine_bytes_per_param / engine_s / 1e9}
+            gb_per_s["fused_adamw"] = numel * adamw_bytes_per_param / adamw_s / 1e9
             record = {
                 "params": numel,
                 "threads": threads,
                 "engine_s": engine_s,
                 "engine_params_per_s": numel / engine_s,
-                "engine_gb_per_s": numel * engine_bytes_per_param / engine_s / 1e9,
+                "engine_gb_per_s": gb_per_s["engine"],
                 "worker_compute_s": worker_compute_s,
                 "worker_wall_s": worker_wall_s,
+                "worker_ratio_to_fused_adamw": adamw_s / worker_compute_s if worker_compute_s else None,
                 "fused_adamw_s": adamw_s,
                 "fused_adamw_params_per_s": numel / adamw_s,
-                "fused_adamw_gb_per_s": numel * adamw_bytes_per_param / adamw_s / 1e9,
+                "fused_adamw_gb_per_s": gb_per_s["fused_adamw"],
                 "ratio_to_fused_adamw": adamw_s / engine_s,
                 "copy_gb_per_s": copy_gbps[threads],
+                "engine_fraction_of_copy_bandwidth": gb_per_s["engine"] / copy_gbps[threads],
+                "fused_adamw_fraction_of_copy_bandwidth": gb_per_s["fused_adamw"] / copy_gbps[threads],
+                "add_gb_per_s": add_gbps[threads],
+                "engine_fraction_of_add_bandwidth": gb_per_s["engine"] / add_gbps[threads],
             }
-            record["engine_fraction_of_copy_bandwidth"] = record["engine_gb_per_s"] / copy_gbps[threads]
-            record["fused_adamw_fraction_of_copy_bandwidth"] = record["fused_adamw_gb_per_s"] / copy_gbps[threads]
-            record["add_gb_per_s"] = add_gbps[threads]
-            record["engine_fraction_of_add_bandwidth"] = record["engine_gb_per_s"] / add_gbps[threads]
-            if worker_compute_s is not None:
-                record["worker_ratio_to_fused_adamw"] = adamw_s / worker_compute_s
             records.append(record)
-            rows.append(
-                [
-                    f"{size:g}M",
-                    threads,
-                    engine_s * 1e3,
-                    record["engine_params_per_s"] / 1e6,
-                    record["engine_gb_per_s"],
-                    None if worker_compute_s is None else worker_compute_s * 1e3,
-                    None if worker_wall_s is None else worker_wall_s * 1e3,
-                    adamw_s * 1e3,
-                    record["fused_adamw_gb_per_s"],
-                    record["ratio_to_fused_adamw"],
-                    copy_gbps[threads],
-                    record["engine_fraction_of_copy_bandwidth"],
-                    add_gbps[threads],
-                    record["engine_fraction_of_add_bandwidth"],
-                ]
-            )
-            print(
-                f"  {size:g}M params, {threads} thread(s): engine {engine_s * 1e3:.1f} ms, fused AdamW "
-                f"{adamw_s * 1e3:.1f} ms",
-                flush=True,
-            )
+            row = [scale * (record[key] or math.nan) for key, (_, scale) in STEP_COLUMNS.items()]
+            rows.append([f"{size:g}M", *row])
+            print(f"  {size:g}M params, {threads} thread(s): engine {engine_s * 1e3:.1f}, AdamW {adamw_s * 1e3:.1f} ms")
         del problem, optimizer
         gc.collect()
 
-    bench_utils.print_table(
-        "\nHost AdamW throughput",
-        [
-            "size",
-            "threads",
-            "engine ms",
-            "engine Mparam/s",
-            "engine GB/s",
-            "worker ms",
-            "worker wall ms",
-            "AdamW ms",
-            "AdamW GB/s",
-            "engine/AdamW",
-            "copy GB/s",
-            "engine/copy",
-            "add_ GB/s",
-            "engine/add_",
-        ],
-        rows,
-    )
+    bench_utils.print_table("\nHost AdamW throughput", ["size", *(name for name, _ in STEP_COLUMNS.values())], rows)
     worst = min(r["ratio_to_fused_adamw"] for r in records)
     print(
         f"\nengine/AdamW = fused AdamW time / engine time (parameters per second), target >= {TARGET_RATIO}: "
@@ -351,20 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         for threads in args.threads:
             rates = host_add_rates(numel, threads, cores, args.repeats)
             record = {"params": numel, "threads": threads, **{f"{k}_elements_per_s": v for k, v in rates.items()}}
-            record["engine_fp32_ratio_to_plain_add"] = rates["engine_fp32"] / rates["plain_add"]
-            record["engine_bf16_ratio_to_plain_add"] = rates["engine_bf16"] / rates["plain_add"]
+            for dtype in ("fp32", "bf16"):
+                record[f"engine_{dtype}_ratio_to_plain_add"] = rates[f"engine_{dtype}"] / rates["plain_add"]
             add_records.append(record)
             add_rows.append(
-                [
-                    f"{size:g}M",
-                    threads,
-                    rates["plain_add"] / 1e9,
-                    rates["engine_fp32"] / 1e9,
-                    record["engine_fp32_ratio_to_plain_add"],
-                    rates["engine_bf16"] / 1e9,
-                    record["engine_bf16_ratio_to_plain_add"],
-                    rates["index_add_alpha"] / 1e9,
-                ]
+                [f"{size:g}M", threads, rates["plain_add"] / 1e9, rates["engine_fp32"] / 1e9]
+                + [record["engine_fp32_ratio_to_plain_add"], rates["engine_bf16"] / 1e9]
+                + [record["engine_bf16_ratio_to_plain_add"], rates["index_add_alpha"] / 1e9]
             )
     bench_utils.print_table(
         "\nHost add of accumulate_on='host' (G elements/s; packed contiguous accumulator)",
@@ -377,34 +368,126 @@ def main(argv: list[str] | None = None) -> int:
         f"{'met' if lowest_add >= HOST_ADD_TARGET else 'NOT met'}; old index_add_ = the strided alpha=1/S path "
         "this replaced (90 % of the columns)."
     )
-    payload = bench_utils.payload(
-        "host_adam",
-        info,
-        host_state=args.host_state,
-        kernel_mode=kernel_mode,
-        bytes_per_param={
+    return {
+        "host_state": args.host_state,
+        "kernel_mode": kernel_mode,
+        "bytes_per_param": {
             "engine": engine_bytes_per_param,
             "fused_adamw": adamw_bytes_per_param,
             "copy": 8,
             "add_": 12,
         },
-        bytes_note="engine: reads the window sum, exp_avg and exp_avg_sq and writes them back (the step over the sum): "
-        "12 B in bf16, 24 B in fp32; fused AdamW: reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, "
-        "exp_avg_sq (28 B); copy: read + write of fp32 (8 B); add_: two reads and a write (12 B).",
-        chunk_params=chunk,
-        repeats=args.repeats,
-        copy_bytes=args.copy_mb * 2**20,
-        copy_gb_per_s={str(t): v for t, v in copy_gbps.items()},
-        add_gb_per_s={str(t): v for t, v in add_gbps.items()},
-        results=records,
-        target_ratio_to_fused_adamw=TARGET_RATIO,
-        lowest_ratio_to_fused_adamw=worst,
-        target_met=worst >= TARGET_RATIO,
-        host_add=add_records,
-        host_add_target_ratio=HOST_ADD_TARGET,
-        host_add_lowest_ratio=lowest_add,
+        "chunk_params": chunk,
+        "copy_gb_per_s": {str(t): v for t, v in copy_gbps.items()},
+        "add_gb_per_s": {str(t): v for t, v in add_gbps.items()},
+        "results": records,
+        "target_ratio_to_fused_adamw": TARGET_RATIO,
+        "lowest_ratio_to_fused_adamw": worst,
+        "target_met": worst >= TARGET_RATIO,
+        "host_add": add_records,
+        "host_add_target_ratio": HOST_ADD_TARGET,
+        "host_add_lowest_ratio": lowest_add,
+    }
+
+
+# ------------------------------------------------------------------------------------------ table 3: the moves
+def pass_times(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Median ms per step of each pass over the matrices: on one core with one thread, or on the GPU."""
+    width, interval = args.moves_width, 4
+    shapes = [(width, width)] * args.moves_layers
+    generator = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(shape, generator=generator) * 1e-3).to(device) for shape in shapes]
+    weights = [(torch.randn(shape, generator=generator) * 0.02).to(device) for shape in shapes]
+    unselected = torch.arange(max(1, round(0.1 * width)), width, device=device)  # the host columns at rho = 0.1
+    results: dict[str, float] = {}
+
+    def timed(fn: Callable[[], Any], repeats: int = 10) -> float:
+        return bench_utils.time_median(fn, repeats, warmups=2, device=device) * 1e3
+
+    cuda = device.type == "cuda"
+    with bench_utils.pinned([0], threads=1) if not cuda else contextlib.nullcontext():
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        results["fused AdamW step"] = timed(torch.optim.AdamW(params, lr=1e-4, fused=True).step)
+        for mode in ("compiled", "eager") if compiler_missing(device) is None else ("eager",):
+            kernels = Kernels(mode, device)
+            for dtype in (torch.float32, torch.bfloat16):
+                if dtype == torch.bfloat16 and mode == "eager" and not args.quick and not cuda:
+                    continue  # minutes of bf16 elementwise work on a CPU; the compiled row is the one used
+                g, w = [x.to(dtype) for x in grads], [x.to(dtype) for x in weights]
+                stats = [_statistics(shape, unselected, device) for shape in shapes]
+                seed = torch.zeros((), dtype=torch.int64, device=device)
+                keep = torch.ones((), device=device)  # the engine's keep without a loss scaler
+
+                def moves(g=g, w=w, stats=stats, kernels=kernels, seed=seed, keep=keep) -> None:
+                    for grad2d, weight2d, st in zip(g, w, stats):
+                        args_ = (grad2d, weight2d, st.row_scale, st.col_scale, st.move_mask, 1e-8, 1e-4, keep)
+                        if weight2d.dtype == torch.bfloat16:
+                            kernels.moves_bf16_(*args_, 0, seed)
+                        else:
+                            kernels.moves_fp32_(*args_)
+
+                def statistics(g=g, stats=stats, kernels=kernels, keep=keep) -> None:
+                    for grad2d, st in zip(g, stats):
+                        update_statistics(kernels, grad2d, st, int(unselected.numel()), 0.999**interval, keep)
+                        derive_scales(st)
+
+                def window(moves=moves, statistics=statistics) -> None:
+                    statistics()  # at a window's first step; then a move at each of its steps
+                    for _ in range(interval):
+                        moves()
+
+                def sums(g=g, stats=stats, kernels=kernels) -> None:
+                    for grad2d, st in zip(g, stats):
+                        kernels.row_col_sums(grad2d, st.host_mask)
+
+                label = f"moves {mode} {'fp32' if dtype == torch.float32 else 'bf16'}"
+                results[label] = timed(window, repeats=5) / interval
+                if mode == "compiled":  # the two parts of that mean
+                    results[f"{label}: the move pass"] = timed(moves)
+                    results[f"{label}: the statistics pass (once a window)"] = timed(sums)
+    return results
+
+
+def _statistics(shape: tuple[int, int], unselected: torch.Tensor, device: torch.device) -> MatrixStatistics:
+    stats = MatrixStatistics(
+        row=torch.zeros(shape[0], device=device),
+        col=torch.zeros(shape[1], device=device),
+        decay=torch.ones((), device=device),
+        moves=torch.zeros((), device=device),
+        salt=0,
     )
-    bench_utils.write_results(args.out, payload)
+    stats.host_mask = torch.zeros(shape[1], device=device).index_fill_(0, unselected, 1.0)
+    stats.mask_of = unselected
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    missing = bench_utils.cuda_missing(args.device, "; run it with --device cpu for every table.")
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    info = bench_utils.announce("kernel_bench: the engine's kernels against fused torch AdamW, same sizes", device)
+    host = host_tables(args) if device.type == "cpu" else {}
+    passes = pass_times(args, device)
+    adamw = passes["fused AdamW step"]
+    where = "on the GPU" if device.type == "cuda" else "one core, one thread"
+    shape = f"{args.moves_layers} x [{args.moves_width}, {args.moves_width}]"
+    bench_utils.print_table(
+        f"\nThe interim moves' passes, {shape}, {where} (ms per step)",
+        ["pass", "ms per step", "x fused AdamW step"],
+        [[name, value, value / adamw] for name, value in passes.items()],
+        digits=2,
+    )
+    bench_utils.write_results(
+        args.out,
+        bench_utils.payload(
+            "kernel_bench", info, revision=True, settings=bench_utils.settings_of(args), **host, moves_pass_ms=passes
+        ),
+    )
     return 0
 
 
