@@ -698,5 +698,5 @@ def test_a_stopped_worker_exits_with_status_zero() -> None:
         process.close = record_then_close
         worker.submit(0, [_job()])
         worker.wait()
-        worker.close()
+        worker.close(timeout_s=60.0)  # time to exit on its own on a busy machine (2 s, the default, then a kill: -9)
     assert codes == [0, 0, 0]
