@@ -1,6 +1,6 @@
-"""Building the compiled kernels: one graph per kernel and dtype whatever the learning rate (an lr schedule must not
-recompile until dynamo's limit and then run eagerly), and no crash when a kernel is built after a lane thread that
-built one has ended (``engine/cuda_guard.py``: torch 2.11 without a CUDA device)."""
+"""Building the compiled kernels: one graph per kernel and dtype whatever the learning rate or the matrix's shape (an
+lr schedule must not recompile until dynamo's limit and then run eagerly), and no crash when a kernel is built after
+a lane thread that built one has ended (``engine/cuda_guard.py``: torch 2.11 without a CUDA device)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ def _landing(dtype: torch.dtype) -> Callable[[Kernels, float, tuple[int, int]], 
     return run
 
 
+def _sums(kernels: Kernels, lr: float, shape: tuple[int, int]) -> None:
+    kernels.row_col_sums(torch.randn(shape).bfloat16(), torch.ones(shape[1]))
+
+
+def _window_sum(kernels: Kernels, lr: float, shape: tuple[int, int]) -> None:
+    rows, cols = shape
+    acc, grad = torch.zeros(rows, cols, dtype=torch.bfloat16), torch.randn(rows, cols).bfloat16()
+    kernels.accumulate_bf16_(acc, grad, torch.rand(rows), torch.rand(cols), torch.rand(()), False)
+
+
 def _host_step(state: torch.dtype, master: bool) -> Callable[[Kernels, float, tuple[int, int]], None]:
     def run(kernels: Kernels, lr: float, shape: tuple[int, int]) -> None:
         rows, cols = shape
@@ -60,6 +70,8 @@ def _host_step(state: torch.dtype, master: bool) -> Callable[[Kernels, float, tu
 
 
 KERNELS = {
+    "statistics sums": _sums,
+    "window sum bf16": _window_sum,
     "moves fp32": _moves(torch.float32),
     "moves bf16": _moves(torch.bfloat16),
     "landing fp32": _landing(torch.float32),
