@@ -4,9 +4,10 @@ When ``torch.compile`` traces a function and no CUDA device is visible, its fake
 device guard (``torch._C._ensureCUDADeviceGuardSet``) that is owned by the *calling thread* (a C++
 ``thread_local``) but registered for the whole process. When that thread exits, the registry keeps a pointer to the
 freed guard, and the next trace in any other thread calls through it: a segmentation fault. torch 2.11 (PyPI's
-wheels are CUDA builds) does this (pytorch/pytorch#178950 is torch's own fix). The engine meets it on a machine
-without a GPU: its lanes are threads that build kernels (the landing, the window's sum) and end when the
-engine closes, so the next engine's first kernel build, or any later ``torch.compile`` in the process, crashed.
+wheels are CUDA builds) does this (upstream: pytorch/pytorch#178950, "Fix use after free in
+ensureCUDADeviceGuardSet"). The engine meets it on a machine without a GPU: its lanes are threads that build kernels
+(the landing, the window's sum) and end when the engine closes, so the next engine's first kernel build, or any later
+``torch.compile`` in the process, crashed.
 
 :func:`keep_cuda_guard` installs the stand-in once, from a thread that lives as long as the process (the main
 thread, or else a thread of its own that waits forever), before the engine builds anything: later traces find a

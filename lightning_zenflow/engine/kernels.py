@@ -229,7 +229,7 @@ class Kernels:
                 stacklevel=3,
             )
         if self.mode == "compiled":
-            keep_cuda_guard()  # torch 2.11 without a CUDA device: a trace after a lane thread's ends crashes
+            keep_cuda_guard()  # torch 2.11, no CUDA device: a build after a building thread ended crashed
         self._eager_now: set[str] = set()
         self.row_col_sums = self.wrap(row_col_sums)
         self.moves_fp32_ = self.wrap(moves_fp32_)
