@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from lightning_zenflow.engine.cuda_guard import keep_cuda_guard
 from lightning_zenflow.engine.notices import notice_once
 from lightning_zenflow.engine.rounding import lattice, round_bf16
 
@@ -227,6 +228,8 @@ class Kernels:
                 "to choose this knowingly.",
                 stacklevel=3,
             )
+        if self.mode == "compiled":
+            keep_cuda_guard()  # torch 2.11, no CUDA device: a build after a building thread ended crashed
         self._eager_now: set[str] = set()
         self.row_col_sums = self.wrap(row_col_sums)
         self.moves_fp32_ = self.wrap(moves_fp32_)
