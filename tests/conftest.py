@@ -63,10 +63,12 @@ def restore_environment():
 LONGEST_FILES_FIRST = (
     "test_lightning_ddp.py",
     "test_lanes.py",
+    "test_plan_budget.py",
     "test_distributed_engine.py",
     "test_host_worker.py",
     "test_lightning_fsdp.py",
     "test_cli.py",
+    "test_plan.py",
     "test_benchmarks.py",
     "test_engine_modes.py",
     "test_faults.py",
