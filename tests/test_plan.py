@@ -11,6 +11,7 @@ import shlex
 import sys
 import time
 
+import huggingface_hub.constants
 import pytest
 import torch
 
@@ -101,7 +102,10 @@ def test_a_folder_and_a_gguf_file_are_read_without_their_weights(tmp_path: pathl
 def test_bad_input_is_one_line_naming_the_option_and_exit_status_2(
     args: list[str], message: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub name is looked up in the cache only
+    # a Hub name is looked up in the cache only: the variable for a new process, the constant for this one, where
+    # huggingface_hub may have read the variable already (else five retries over the network, 23 s)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     model = [] if "--model" in args else ["--model", str(MODELS / "Qwen2.5-0.5B.json")]
     code, out, err = run_cli([*model, "--device-memory", "24GB", "--host-memory", "64GB", *args], capsys)
     assert code == 2
@@ -164,7 +168,8 @@ def test_the_defaults_fit_qwen_14b_on_one_h200_and_a_smaller_topk_fits_a_smaller
     assert defaults.fits
     assert result.recommended.name == "zenflow"
     assert defaults.device_selection < defaults.device_peak  # the selection's moment is not the peak
-    smaller = plan(str(MODELS / "Qwen2.5-14B.json"), activation_checkpointing=True, **{**H200, "device_memory": "125GB"})
+    on_125 = {**H200, "device_memory": "125GB"}
+    smaller = plan(str(MODELS / "Qwen2.5-14B.json"), activation_checkpointing=True, **on_125)
     device = smaller.row("zenflow accumulate_on=device host_state=bf16")
     assert not device.fits
     assert smaller.row("zenflow").accumulate_on == "host"
