@@ -13,6 +13,7 @@
 #   gpu_tests_nccl.txt/.xml      on 2+ GPUs only: data parallel and FSDP2 (zenflow_fsdp) over NCCL
 #   offload_trace.json        offload_bench.py --profile: a torch.profiler Chrome trace of a few ZenFlow steps of the
 #                             1.2B GPT (open in chrome://tracing, Perfetto); offload_profile.json: that row's numbers
+#   plan_measure.txt          lightning-zenflow plan --measure --json: this machine's rates and the plan of Qwen2.5-14B
 #   kernel_bench_cuda.*       benchmarks/kernel_bench.py --device cuda: the interim moves' kernels against fused AdamW
 #   offload_bench_cuda.*      benchmarks/offload_bench.py --device cuda, 1.2B bf16 GPT (.rows.jsonl: one row each),
 #                             the defaults (interim moves on) beside "zenflow no-moves"
@@ -185,6 +186,11 @@ if ((gpus >= 2)); then
 else
   skip_step gpu_tests_nccl "$gpus CUDA device(s) here, the NCCL tests need 2"
 fi
+
+# the planner on this machine: the rates it measures (pinned copies each way, the host step, the device step) and its
+# plan of Qwen2.5-14B with them, to set beside what the benchmarks below measure (configs/llm_gpu.yaml is that plan)
+run_step plan_measure 60 "$python" -m lightning_zenflow.cli plan --model configs/models/Qwen2.5-14B.json \
+  --activation-checkpointing --measure --json
 
 run_step offload_profile 90 "$python" benchmarks/offload_bench.py "${bench[@]}" --warmup-steps 8 --steps 8 \
   --profile "$out/offload_trace.json" --out "$out/offload_profile.json"

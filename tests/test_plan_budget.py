@@ -104,6 +104,7 @@ def test_one_device_the_plan_counts_what_the_engine_holds(build, dtype, knobs: d
     assert engine_bytes(model, dtype, knobs, decay, l2) == (row.engine_device, row.engine_host)
 
 
+@pytest.mark.slow
 def test_smollm2_135m_the_plan_counts_what_the_engine_holds() -> None:
     """SmolLM2-135M's architecture (configs/models/SmolLM2-135M.json: tied embeddings, 134.5 M parameters) in bf16
     with the defaults (the other settings are the small models' above: the same formulas, a minute less)."""
