@@ -130,6 +130,7 @@ ABLATION_ROWS = (
     ),
     Row("interim-1", {"interim_step": 1.0}, "the defaults with interim moves of the host columns (interim_step 1)"),
     Row("interim-0.5", {"interim_step": 0.5}, "the defaults with half-size interim moves"),
+    Row("interim-1.5", {"interim_step": 1.5}, "the defaults with interim moves of 1.5 times the size"),
     Row("paper+interim-1", {**PAPER, "interim_step": 1.0}, "the paper's rule with interim moves"),
     Row(
         "warm-up-10+refresh-16",

@@ -22,7 +22,8 @@ Rows, from the same fp32 base on the same batches in the same order (``--seed``)
 (``ZenFlowStrategy()``, its defaults) and any ``--row name=JSON`` (ZenFlowStrategy knobs). Held-out loss: on the base
 (step 0); every ``--eval-every`` steps from a callback (``no_grad``, eval mode, then back; read-only, and ZenFlow's
 host update in flight is not applied early: these points show the weights the device trains on); and after
-``trainer.fit`` returns (the strategy has then applied every update).
+``trainer.fit`` returns (the strategy has then applied every update). ``travel``: how far the final weight matrices are
+from the base (the Frobenius norm of the change over every 2-D parameter), to compare how far each optimizer moved.
 
 Premise. One forward/backward of the base on the first batch: per matrix kind (attention q/k/v/o, MLP gate/up/down,
 the tied embedding), the share of the squared gradient norm in the top 10 % of columns (second index of a
@@ -245,6 +246,15 @@ def premise(model: torch.nn.Module, batch: torch.Tensor) -> dict[str, dict[str, 
     return {k: {"share": statistics.fmean(v), "matrices": len(v)} for k, v in shares.items()}
 
 
+@torch.no_grad()
+def travel(model: torch.nn.Module, base: torch.nn.Module) -> float:
+    """How far the weight matrices moved from the base: the Frobenius norm of the change over every 2-D parameter."""
+    moved = [
+        (p.float() - q.float()).square().sum() for p, q in zip(model.parameters(), base.parameters()) if p.ndim == 2
+    ]
+    return math.sqrt(sum(moved).item())
+
+
 # ----------------------------------------------------------------------------------------------------- rows
 def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data: dict[str, Any], args) -> dict:
     """One fine-tune of a copy of the base; the held-out curve, the training loss and the step times."""
@@ -299,6 +309,7 @@ def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data
         trainer.fit(module, loader)
         record.curve.append((args.steps, heldout_loss(module.model, data["eval"])))
     return {
+        "travel": travel(module.model, base),
         "row": name,
         "knobs": knobs,
         "config": None if knobs is None else dataclasses.asdict(trainer.strategy.zenflow_config),
@@ -372,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         run["gap_to_adamw_pct"] = None if reference is None else 100 * (run["final_heldout_loss"] / reference - 1)
     print(f"\nheld-out loss (base {data['base_loss']:.4f}); seconds per step: median (mean), evaluations excluded")
-    keys = ("row", "final_heldout_loss", "gap_to_adamw_pct", "median_step_s", "mean_step_s")
+    keys = ("row", "final_heldout_loss", "gap_to_adamw_pct", "travel", "median_step_s", "mean_step_s")
     rows = [[run[key] for key in keys] for run in runs]
-    bench_utils.print_table(None, ["row", "final held-out", "gap to adamw %", "s/step", "mean s/step"], rows, 4)
+    header = ["row", "final held-out", "gap to adamw %", "travel", "s/step", "mean s/step"]
+    bench_utils.print_table(None, header, rows, 4)
     steps = [point["step"] for point in runs[0]["curve"]]
     curve = [[step, *(run["curve"][i]["heldout_loss"] for run in runs)] for i, step in enumerate(steps)]
     bench_utils.print_table("\nheld-out curve", ["step", *args.rows], curve, 4)
