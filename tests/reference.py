@@ -474,7 +474,8 @@ class ReferenceZenFlow:
         self.selection_changes = 0
 
     def _interim_step(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, dtypes: list) -> float:
-        """``"auto"``: 1 with windows longer than one step, host columns, fp32 or bf16 matrices and no Adam L2 term."""
+        """``"auto"``: 1.5 with windows longer than one step, host columns, fp32 or bf16 matrices and no Adam L2 term
+        (written here as a number, not read from the package: docs/update_rule.md states it)."""
         if config.interim_step != "auto":
             return float(config.interim_step)
         groups = [RefHyperParams.read(group) for group in param_groups]
@@ -484,7 +485,7 @@ class ReferenceZenFlow:
             and all(dtype in (torch.float32, torch.bfloat16) for dtype in dtypes)
             and all(hp.decoupled or hp.weight_decay == 0 for hp in groups)
         )
-        return 1.0 if applies else 0.0
+        return 1.5 if applies else 0.0
 
     def _policy(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, trainable: list) -> HostPolicy:
         """docs/update_rule.md: the host keeps fp32 masters only without interim moves, for Adam's L2 decay or, in the

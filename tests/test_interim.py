@@ -174,16 +174,16 @@ def test_auto_is_on_where_it_applies_and_off_elsewhere() -> None:
         with _engine(model, opt, ZenFlowConfig(full_warm_up_rounds=0, **knobs)) as engine:
             return engine.interim_scale
 
-    assert scale(_model(), _optimizer(_model())) == 1.0
+    assert scale(_model(), _optimizer(_model())) == 1.5  # docs/update_rule.md, "Defaults, and why"
     model = _model()
     assert scale(model, _optimizer(model), update_interval=1) == 0.0  # nothing to move between updates
     assert scale(model, _optimizer(model), topk_ratio=1.0) == 0.0  # no host columns
     bf16 = _model().to(torch.bfloat16)
-    assert scale(bf16, _optimizer(bf16)) == 1.0  # bf16 weights: moves with stochastic rounding
+    assert scale(bf16, _optimizer(bf16)) == 1.5  # bf16 weights: moves with stochastic rounding
     fp16 = _model().to(torch.float16)
     assert scale(fp16, _optimizer(fp16)) == 0.0  # fp16 weights: the paper's rule
     assert scale(model, torch.optim.Adam(model.parameters(), weight_decay=0.1)) == 0.0  # an L2 term
-    assert scale(model, torch.optim.Adam(model.parameters())) == 1.0
+    assert scale(model, torch.optim.Adam(model.parameters())) == 1.5
 
 
 @pytest.mark.parametrize("value", [-0.5, 5.0, True, "1", "on"])

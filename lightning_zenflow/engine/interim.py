@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.config import AUTO_INTERIM_STEP, ZenFlowConfig
 from lightning_zenflow.engine.device import HyperParams, SelectedState
 from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.kernels import Kernels
@@ -282,7 +282,8 @@ def resolve_interim_scale(
     config: ZenFlowConfig, layout: Sequence[GroupLayout], hparams: Sequence[HyperParams]
 ) -> float:
     """``interim_step`` as a number: an explicit one is checked against the model (fp32 or bf16 weights, AdamW-style
-    decay); ``"auto"`` is 1 where those hold and windows are longer than one step, else 0 (the paper's rule)."""
+    decay); ``"auto"`` is ``AUTO_INTERIM_STEP`` where those hold and windows are longer than one step, else 0 (the
+    paper's rule)."""
     value = config.interim_step
     odd = sorted({str(s.param.dtype) for g in layout for s in g.matrices if s.param.dtype not in MOVED_DTYPES})
     if value == "auto":
@@ -292,7 +293,7 @@ def resolve_interim_scale(
             and not odd
             and all(hp.decoupled or not hp.weight_decay for hp in hparams)
         )
-        return 1.0 if applies else 0.0
+        return AUTO_INTERIM_STEP if applies else 0.0
     value = float(value)
     if value <= 0:
         return 0.0
