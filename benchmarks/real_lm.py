@@ -27,7 +27,9 @@ from the base (the Frobenius norm of the change over every 2-D parameter), to co
 
 Premise. One forward/backward of the base on the first batch: per matrix kind (attention q/k/v/o, MLP gate/up/down,
 the tied embedding), the share of the squared gradient norm in the top 10 % of columns (second index of a
-``[rows, cols]`` weight, k = ceil(0.1 cols)), averaged over the matrices of the kind (an even spread gives 0.1).
+``[rows, cols]`` weight, k = ceil(0.1 cols)), averaged over the matrices of the kind (an even spread gives 0.1); and
+the mean size of an interim move of the other columns per unit step, with the moves' factored RMS estimate taken from
+that same gradient (AdamW's first step moves every element by 1 unit; a smaller figure is a shorter way travelled).
 
 Threads. ZenFlow pins its training process to its share of the cores (``pt_reserved_cores_perc``: one core of two)
 with as many torch threads, its host worker to the rest. The ``adamw`` rows, the base's evaluation and the premise
@@ -229,21 +231,34 @@ def heldout_loss(model: torch.nn.Module, blocks: torch.Tensor, batch: int = 16) 
 
 
 def premise(model: torch.nn.Module, batch: torch.Tensor) -> dict[str, dict[str, float]]:
-    """Per matrix kind: mean share of the squared gradient norm in the top ``RHO`` of columns, from one backward."""
+    """Per matrix kind, from one backward: the mean share of the squared gradient norm in the top ``RHO`` of columns,
+    and ``move``, the mean size of an interim move of the other columns per unit step (``docs/update_rule.md``: the
+    gradient over the factored RMS estimate taken from this same gradient, clipped to [-1, 1]; AdamW's first step
+    moves every element by exactly 1 unit)."""
     from lightning_zenflow.config import num_selected_columns
 
     model.zero_grad(set_to_none=True)
     model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
-    shares: dict[str, list[float]] = {}
+    found: dict[str, list[tuple[float, float]]] = {}
     for name, param in model.named_parameters():
         kind = next((k for k in KINDS if f"{k}." in name), None)
         if kind is None or param.grad is None or param.ndim != 2:
             continue
-        scores = param.grad.double().square().sum(0)
-        top = scores.topk(num_selected_columns(scores.numel(), RHO)).values.sum()
-        shares.setdefault(kind, []).append((top / scores.sum()).item())
+        grad = param.grad.double()
+        scores = grad.square().sum(0)
+        top = scores.topk(num_selected_columns(scores.numel(), RHO))
+        host = torch.ones_like(scores, dtype=torch.bool)
+        host[top.indices] = False
+        g = grad[:, host]
+        row, col = g.square().mean(1), g.square().mean(0)
+        denom = (row[:, None] * col[None, :] / row.mean().clamp_min(1e-30)).sqrt() + 1e-8
+        move = (g / denom).clamp(-1, 1).abs().mean().item()
+        found.setdefault(kind, []).append(((top.values.sum() / scores.sum()).item(), move))
     model.zero_grad(set_to_none=True)
-    return {k: {"share": statistics.fmean(v), "matrices": len(v)} for k, v in shares.items()}
+    return {
+        k: {"share": statistics.fmean(s for s, _ in v), "move": statistics.fmean(m for _, m in v), "matrices": len(v)}
+        for k, v in found.items()
+    }
 
 
 @torch.no_grad()
@@ -370,9 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         data["base_loss"] = heldout_loss(base, data["eval"])
         kinds = premise(base, data["train"][: args.batch])
     print(f"base held-out loss {data['base_loss']:.4f}")
-    print(f"premise: share of the squared gradient norm in the top {RHO:.0%} of columns (first batch, base)")
-    table = [[k, kinds[k]["matrices"], kinds[k]["share"]] for k in KINDS if k in kinds]
-    bench_utils.print_table(None, ["matrix kind", "matrices", f"top {RHO:.0%} share"], table)
+    print(
+        f"premise (first batch, base): share of the squared gradient norm in the top {RHO:.0%} of columns; mean size "
+        "of an interim move of the others per unit step (AdamW's first step: 1)"
+    )
+    table = [[k, kinds[k]["matrices"], kinds[k]["share"], kinds[k]["move"]] for k in KINDS if k in kinds]
+    bench_utils.print_table(None, ["matrix kind", "matrices", f"top {RHO:.0%} share", "move"], table)
 
     runs = []
     for name in args.rows:
