@@ -300,3 +300,8 @@ def test_real_lm_quick(tmp_path: pathlib.Path) -> None:
     gap = 100 * (rows["zenflow"]["final_heldout_loss"] / rows["adamw"]["final_heldout_loss"] - 1)
     assert rows["zenflow"]["gap_to_adamw_pct"] == pytest.approx(gap, rel=1e-6, abs=1e-9)
     assert "gap to adamw" in stdout
+    # both moved their matrices; an interim move per unit step is bounded by the clip (AdamW's first step: 1)
+    assert all(run["travel"] > 0 for run in rows.values())
+    for kind in result["premise"]["kinds"].values():
+        assert 0.0 < kind["share"] <= 1.0
+        assert 0.0 < kind["move"] <= 1.0
