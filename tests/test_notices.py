@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_zenflow import ZenFlowAdamW
+from lightning_zenflow.engine import compiled as compiled_module
 from lightning_zenflow.engine import kernels, notices
 from lightning_zenflow.engine.notices import ZenFlowNotice
 
@@ -60,11 +61,19 @@ def test_bind_cores_false_says_nothing() -> None:
 
 @pytest.mark.usefixtures("fresh_process_notices")
 def test_the_first_kernel_build_is_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled kernels' first call builds them (torch.compile; stood in for here, no compiler needed): one line
-    before it, none for later calls or later engines."""
-    monkeypatch.setattr(kernels, "_COMPILED", {})
-    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
-    monkeypatch.setattr(kernels, "resolve_kernel_mode", lambda mode, device: ("compiled", None))
+    """The compiled kernels' first call builds them (``engine/compiled.py``; stood in for here, no compiler needed):
+    one line before it, none for later calls or later engines."""
+
+    class Built:
+        def __init__(self, fn: object) -> None:
+            self.fn = fn
+
+        def guard_check(self, *args: object) -> bool:
+            return True
+
+    monkeypatch.setattr(compiled_module, "_REGISTRY", {})
+    monkeypatch.setattr(compiled_module, "_build", lambda fn, args: Built(fn))
+    monkeypatch.setattr(kernels, "resolve_kernel_mode", lambda mode, device, elements=None: ("compiled", None))
     grad, host_mask = torch.ones(3, 2), torch.ones(2)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

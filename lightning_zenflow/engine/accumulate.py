@@ -96,6 +96,8 @@ class DeviceAccumulation:
                 col_u = unit_table(s.salt ^ COLUMN_SALT, 0, s.cols).to(lanes.device)
                 self.noise[(s.group_index, s.index_in_group)] = (row_u, col_u, s.salt)
         self.d2h_bytes = 0
+        self._offset_like: dict[torch.device, torch.Tensor] = {}
+        """Per device: a 0-d fp32 view like the lane's ``offsets[index]``, to build the window sum's kernel with."""
 
     def add(
         self,
@@ -127,8 +129,14 @@ class DeviceAccumulation:
         if self.dtype == torch.bfloat16:
             # the step's lattice offsets, one per matrix: one asynchronous copy up from pinned memory
             offsets_host = lanes.empty_host(max(1, len(work)), torch.float32)
-            for index, (_, _, noise) in enumerate(work):
+            for index, (acc, grad2d, noise) in enumerate(work):
                 offsets_host[index] = offset_of(noise[2], PURPOSE_ACCUMULATE, t) if noise is not None else 0.0
+                if grad2d is not None and self.kernels is not None:
+                    # built here, on the training thread, before the lane runs it (engine/compiled.py)
+                    offset_like = self._offset_like.setdefault(acc.device, torch.zeros(2, device=acc.device)[1])
+                    self.kernels.prepare(
+                        self.kernels.accumulate_bf16_, acc, grad2d, noise[0], noise[1], offset_like, first_in_window
+                    )
             lanes.side.run(self._add_all_bf16, work, first_in_window, offsets_host, self.kernels, lanes.is_cuda)
         else:
             lanes.side.run(self._add_all, work, first_in_window)

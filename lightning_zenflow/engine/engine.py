@@ -310,6 +310,7 @@ class ZenFlowEngine(EngineLifecycle):
             # a restored update applied before the first step (a sync right after a load)
             self.uploads = Uploads(self.lanes, self.device_updater, self.host_buffers, self.ranks, self.row_offsets)
         self.uploads.landing_add = self.kernels.landing_add_
+        self.uploads.prepare = self.kernels.prepare
         self.landing.land(pending, self._worker, self.uploads, self.device_updater, seed=self.schedule.t)
         self.schedule.pending = None
 

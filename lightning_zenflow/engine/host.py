@@ -150,11 +150,11 @@ def _serve(
     beat = threading.Thread(target=_heartbeat, args=(spec.heartbeat, stop), daemon=True)
     beat.start()
     conn.send(("ready", os.getpid()))
-    kernels = StepKernels(spec.kernel_mode)
-    # the step's build (seconds when compiled, cached on disk by torch) overlaps the training's first steps; a failure
-    # shows again, with its traceback, at the first update
-    with contextlib.suppress(Exception):
-        kernels.warm(groups)
+    elements = sum(extent.numel for extents in spec.extents for extent in extents)
+    # the step's build (seconds when compiled) runs on a thread of its own and overlaps the training's first steps:
+    # this loop answers at once, and an update before the build is ready runs eagerly (the same bits) or waits
+    kernels = StepKernels(spec.kernel_mode, elements, background=True)
+    kernels.warm(groups)
     try:
         while True:
             # blocks until the main process sends the next command (or closes the pipe)
@@ -168,13 +168,14 @@ def _serve(
                 # the engine closed and keeps this process as a spare: drop every reference to its buffers
                 stop.set()
                 beat.join()  # thread join: the heartbeat no longer writes the released engine's clock
-                spec = scratch = groups = kernels = None
+                spec = scratch = groups = None  # the kernels hold no engine buffer (their builds are kept)
                 gc.collect()  # and any cycle that still holds one: the blocks are unmapped now
                 conn.send(("released",))
                 return _wait_for_adoption(conn)
             if command[0] == "attach":
-                # the accumulation mode was chosen: the window rows it sums into
+                # the accumulation mode was chosen: the window rows it sums into (their dtype may need a build)
                 groups = tuple(dataclasses.replace(g, windows=tuple(w)) for g, w in zip(groups, command[1]))
+                kernels.warm(groups)
                 conn.send(("attached",))
                 continue
             _, seq, slot, jobs = command
@@ -203,6 +204,7 @@ def _serve(
         # is ended with pthread_exit, whose unwinding through C++ frames aborts the process ("terminate called
         # without an active exception", SIGABRT) after a clean stop
         beat.join()
+        kernels.close()  # the same for a build in progress (its builder thread is joined)
 
 
 def _wait_for_adoption(conn: multiprocessing.connection.Connection) -> WorkerSpec | None:

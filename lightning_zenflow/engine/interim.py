@@ -85,6 +85,8 @@ class InterimMoves:
         self._stats: dict[str, MatrixStatistics] = {}
         self._keep_all = torch.ones((), dtype=torch.float32, device=lanes.device)
         """The kernels' ``keep`` when no step can overflow: one compiled graph whether or not a loss scaler runs."""
+        self._prepared: set[tuple] = set()
+        """Kinds of lane work whose kernels are built (gradient and weight dtypes, statistics or not)."""
 
     def _stats_of(self, state: SelectedState) -> MatrixStatistics:
         slot = state.slot
@@ -129,6 +131,7 @@ class InterimMoves:
         # on the calling thread (the compute lane on CUDA, which produced found_inf)
         keep = self._keep_all if found_inf is None else 1.0 - found_inf
         measured = [item for item in work if item[3] is not None]
+        self._prepare_kernels(work, measured, keep)
         if measured:
             sums: dict[str, torch.Tensor] = {}
             self.lanes.side.run(_local_sums, self.kernels, measured, sums)
@@ -137,6 +140,33 @@ class InterimMoves:
                 self.lanes.collective(self.lanes.side, _sum_over_shards, self.ranks, sums)
             self.lanes.side.run(_take_sums, measured, sums, keep)
         self.lanes.side.run(_moves, self.kernels, work, keep)
+
+    def _prepare_kernels(self, work: list, measured: list, keep: torch.Tensor) -> None:
+        """Build, on this (the training) thread, the kernels the lane will run for ``work`` (``engine/compiled.py``):
+        arguments of the lane's dtypes and ranks (the sizes do not matter to a build)."""
+        kernels = self.kernels
+        if kernels.mode == "eager":
+            return
+        measured_ids = {id(item[0]) for item in measured}
+        for state, grad, stats, _beta, eps, coefficient in work:
+            slot = state.slot
+            kind = (grad.dtype, slot.param.dtype, id(state) in measured_ids, coefficient == 0.0)
+            if kind in self._prepared:
+                continue
+            self._prepared.add(kind)
+            grad2d = grad.view(slot.rows, slot.cols)
+            if id(state) in measured_ids:
+                kernels.prepare(kernels.row_col_sums, grad2d, stats.col)
+            if coefficient == 0.0:
+                continue
+            weight2d = slot.param.data.view(slot.rows, slot.cols)
+            rows_like = stats.row.new_empty(slot.rows)
+            args = (grad2d, weight2d, rows_like, stats.col, stats.col, eps, coefficient, keep)
+            if weight2d.dtype == torch.bfloat16:
+                seed_like = torch.zeros((), dtype=torch.int64, device=grad.device)
+                kernels.prepare(kernels.moves_bf16_, *args, stats.row_offset, seed_like)
+            else:
+                kernels.prepare(kernels.moves_fp32_, *args)
 
     def bytes_held(self) -> int:
         """Device bytes of the statistics and what the moves derive from them (O(rows + columns) per matrix)."""

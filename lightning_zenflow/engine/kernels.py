@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from lightning_zenflow.engine.compiled import CompiledFunction, aot_available
 from lightning_zenflow.engine.cuda_guard import keep_cuda_guard
 from lightning_zenflow.engine.notices import notice_once
 from lightning_zenflow.engine.rounding import lattice, round_bf16
@@ -176,17 +177,23 @@ def compiler_missing(device: torch.device) -> str | None:
     return f"torch.compile has no backend for {device.type} here"
 
 
-def resolve_kernel_mode(mode: str, device: torch.device) -> tuple[Literal["compiled", "eager"], str | None]:
+def resolve_kernel_mode(
+    mode: str, device: torch.device, elements: int | None = None
+) -> tuple[Literal["compiled", "eager"], str | None]:
     """``interim_kernel`` as used: ``(mode, reason)``. ``"auto"`` takes ``LIGHTNING_ZENFLOW_KERNELS`` when set, else
-    compiles where a compiler is found (the reason for eager otherwise); ``"compiled"`` without one is refused."""
+    compiles where a compiler is found and the matrices are large enough to repay the builds (``elements``, see
+    :data:`AUTO_COMPILE_MIN_ELEMENTS`; the reason for eager where no compiler is found); ``"compiled"`` without one is
+    refused."""
     if mode == "auto":
         override = os.environ.get(KERNELS_ENV, "").strip().lower()
         if override and override not in ("compiled", "eager"):
             raise ValueError(f"{KERNELS_ENV}={override!r} is not 'compiled' or 'eager'; unset it for the default.")
         mode = override or "auto"
+        if mode == "auto" and elements is not None and elements < AUTO_COMPILE_MIN_ELEMENTS:
+            return "eager", None
     if mode == "eager":
         return "eager", None
-    missing = compiler_missing(device)
+    missing = compiler_missing(device) or aot_available()
     if missing is None:
         return "compiled", None
     if mode == "compiled":
@@ -200,26 +207,32 @@ def resolve_kernel_mode(mode: str, device: torch.device) -> tuple[Literal["compi
 
 
 KERNEL_BUILD_NOTICE = (
-    "the first steps build ZenFlow's fused kernels with torch.compile (the interim moves and the window's sum in "
-    "the training process, the AdamW step in the host worker; seconds, about 15-25 s on a CPU with an empty compile "
-    "cache; torch caches them on disk for later runs); interim_kernel='eager' skips the build (several passes per "
-    "step instead of one)."
+    "building ZenFlow's fused kernels before their first use (the interim moves, the window's sum and the landing in "
+    "the training process; the AdamW step in the host worker, which runs it eagerly until the build is ready): about "
+    "1-3 s each with torch's compile cache warm, 5-20 s each with it empty; a process builds each kind once and later "
+    "fits reuse them. interim_kernel='eager' skips the builds (the same numbers, several passes per step instead of "
+    "one)."
 )
+AUTO_COMPILE_MIN_ELEMENTS = 1 << 22
+"""``interim_kernel="auto"`` builds compiled kernels only when this rank's host-bound matrices hold at least this many
+elements (4 M): below it the eager passes cost less per run than the builds (seconds) would save."""
 _WARNED: set[str] = set()
-_COMPILE_LOCK = threading.Lock()
-_COMPILED: dict[str, Callable] = {}
-"""One ``torch.compile`` wrapper per function and process, shared by every engine: dynamo keeps its compiled graphs
-per code object and allows 8 (``recompile_limit``), so engines must not each add their own."""
 
 
 class Kernels:
-    """The functions above as used by one engine: compiled (``torch.compile``, dynamic shapes, one graph per dtype)
-    or eager. Under ``"auto"`` a function that fails to build, or reaches dynamo's recompile limit, runs eagerly
-    from then on (with a warning)."""
+    """The functions above as used by one engine: built ahead of time and never compiled where they run
+    (``engine/compiled.py``), or eager. On the CPU every elementwise kernel gives the eager function's bits, so a call
+    that no build accepts (a matrix of one row) runs eagerly and changes no number; the statistics' sums
+    (``row_col_sums``) round differently when compiled, so they are built before their first call is issued.
 
-    def __init__(self, mode: str, device: torch.device) -> None:
+    ``elements``: the host-bound matrix elements of this rank, for ``"auto"``'s size rule; ``owner``: the thread that
+    builds (by default the one creating this object)."""
+
+    def __init__(
+        self, mode: str, device: torch.device, elements: int | None = None, owner: int | None | bool = True
+    ) -> None:
         self.requested = mode
-        self.mode, reason = resolve_kernel_mode(mode, device)
+        self.mode, reason = resolve_kernel_mode(mode, device, elements)
         if reason is not None and reason not in _WARNED:
             _WARNED.add(reason)
             warnings.warn(
@@ -230,50 +243,41 @@ class Kernels:
             )
         if self.mode == "compiled":
             keep_cuda_guard()  # torch 2.11, no CUDA device: a build after a building thread ended crashed
-        self._eager_now: set[str] = set()
-        self.row_col_sums = self.wrap(row_col_sums)
+        self.owner = threading.get_ident() if owner is True else (None if owner is False else owner)
+        self.functions: list[CompiledFunction] = []
+        self.row_col_sums = self.wrap(row_col_sums, strict=True)
         self.moves_fp32_ = self.wrap(moves_fp32_)
         self.moves_bf16_ = self.wrap(moves_bf16_)
         self.landing_add_ = self.wrap(landing_add_)
         self.accumulate_bf16_ = self.wrap(accumulate_bf16_)
 
-    def wrap(self, fn: Callable) -> Callable:
-        """``fn`` as this engine runs it: compiled (one wrapper per function and process) or eager."""
+    def wrap(self, fn: Callable, strict: bool = False) -> Callable:
+        """``fn`` as this engine runs it: built ahead of time (``engine/compiled.py``) or eager."""
         if self.mode == "eager":
             return fn
-        name = fn.__name__
+        compiled = CompiledFunction(
+            fn, self.owner, strict=strict, on_build=_announce, required=self.requested == "compiled"
+        )
+        self.functions.append(compiled)
+        return compiled
 
-        def call(*args: object) -> object:
-            if name in self._eager_now:
-                return fn(*args)
-            compiled = _COMPILED.get(name)
-            if compiled is None:
-                with _COMPILE_LOCK:  # one wrapper per process, even with engines on several threads
-                    compiled = _COMPILED.setdefault(name, torch.compile(fn, dynamic=True, fullgraph=True))
-            notice_once("kernel_build", KERNEL_BUILD_NOTICE)
-            try:
-                # a call that builds a kernel raises before it runs any of it: nothing is half-written
-                return compiled(*args)
-            except Exception as error:  # noqa: BLE001 - a build failure of any kind falls back under "auto"
-                limit = isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit)
-                if not limit and (self.requested == "compiled" or not _is_build_failure(error)):
-                    raise
-                warnings.warn(
-                    f"lightning_zenflow: torch.compile failed for {name} ({type(error).__name__}: {error}); the "
-                    "engine runs it eagerly from here on. Set interim_kernel='eager' to skip the attempt.",
-                    stacklevel=2,
-                )
-                self._eager_now.add(name)
-                return fn(*args)
+    @staticmethod
+    def prepare(kernel: Callable, *args: object) -> None:
+        """Build ``kernel`` for calls like ``kernel(*args)`` before such a call is issued to a lane (no-op eagerly)."""
+        if isinstance(kernel, CompiledFunction):
+            kernel.prepare(*args)
 
-        return call
+    def hand_builds_to(self, owner: int) -> None:
+        """From now on only thread ``owner`` builds (the host worker's builder thread)."""
+        self.owner = owner
+        for function in self.functions:
+            function.owner = owner
+
+    @property
+    def eager_calls(self) -> int:
+        """Calls of a compiled kernel that ran eagerly because no build accepted their arguments."""
+        return sum(f.eager_calls for f in self.functions)
 
 
-def _is_build_failure(error: Exception) -> bool:
-    """An error raised while building a kernel (dynamo, inductor, the C++ or Triton compiler), not by the run."""
-    module = type(error).__module__ or ""
-    return (
-        module.startswith(("torch._dynamo", "torch._inductor", "triton"))
-        or isinstance(error, (OSError, RuntimeError))
-        and ("compile" in str(error).lower() or "inductor" in str(error).lower())
-    )
+def _announce(name: str) -> None:
+    notice_once("kernel_build", KERNEL_BUILD_NOTICE)

@@ -86,6 +86,8 @@ class Uploads:
         self.h2d_bytes = 0
         self.landing_add: Callable[..., None] | None = None
         """The kernel that lands a step (``engine/kernels.py``'s ``landing_add_``), set by the engine."""
+        self.prepare: Callable[..., None] | None = None
+        """Builds ``landing_add`` ahead of a lane's call (``Kernels.prepare``), set by the engine."""
 
     def _source(self, group_index: int, state: SelectedState, slot: int) -> torch.Tensor:
         host = self.host_buffers[group_index]
@@ -154,6 +156,11 @@ class Uploads:
             seeds_host.copy_(torch.tensor(seeds, dtype=torch.int64))
             ring = self._ring(chunk_rows_bytes) if lanes.is_cuda else None
             additions = [(dst, src, scale, offset, seeds_host[i]) for dst, src, scale, offset, i in additions]
+            if self.prepare is not None and not lanes.is_cuda:
+                # built on this (the training) thread before the lane runs it; on CUDA the lane's call is on this
+                # thread and builds itself (engine/compiled.py)
+                for dst, src, scale, offset, seed_host in additions:
+                    self.prepare(self.landing_add, dst, src, scale, offset, seed_host)
             lanes.side.run(_land_steps, additions, ring, lanes.is_cuda, self.landing_add)
         # the side lane's copies read the host source (the window rows, or the masters)
         lanes.side.record(self.source_read)

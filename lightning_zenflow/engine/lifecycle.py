@@ -151,7 +151,9 @@ class EngineLifecycle:
         ]
         self._pinned: list[tuple[torch.Tensor, int]] = []
         self.device_updater = DeviceUpdater(self.layout, self.lanes)
-        self.kernels = Kernels(self.config.interim_kernel, self.device)
+        # built on this (the training) thread before any lane runs them; the size rule of "auto" counts this rank's rows
+        host_elements = sum(slot.host_numel for group in self.layout for slot in group.matrices)
+        self.kernels = Kernels(self.config.interim_kernel, self.device, elements=host_elements)
         self.interim = (
             InterimMoves(self.lanes, self.interim_scale, self.kernels, self.ranks) if self.interim_scale > 0 else None
         )

@@ -6,12 +6,15 @@ change is ``1 - beta2`` (0.1 %) of itself, would stop moving. Rounding *stochast
 value rounds to the neighbour on the far side with the probability of its distance, so small changes survive on
 average (Zamirai et al., arXiv 2010.06192; ``background/bf16_and_fusion.md``).
 
-:func:`round_bf16_` is written with float operations only (no bit reinterpretation): the nearest bf16 value ``n``,
+:func:`round_bf16` is written with float operations only (no bit reinterpretation): the nearest bf16 value ``n``,
 the residual ``r = x - n``, and the neighbour on the residual's side, found by rounding ``n +- 0.55 * 2**-7 * |n|``
 (between 0.55 and 1.1 bf16 steps away, so it lands on the adjacent value in every binade, across a power of two
 included). The result is the neighbour when ``u * |neighbour - n| < |r|``: probability ``|r| / step``, expectation
 ``x``. Float-only code vectorises on every backend that ``torch.compile`` targets (a bit cast does not on the C++
-backend of the CPU, where it is about three times slower) and runs eagerly unchanged.
+backend of the CPU, where it is about three times slower) and runs eagerly unchanged. It relies on the round trip
+``float -> bf16 -> float`` being kept: inductor drops such pairs unless ``emulate_precision_casts`` is on (its
+compiled rounding was then round-to-nearest), so the engine builds its kernels with it on (``engine/compiled.py``),
+and compiled and eager give the same bits.
 
 The uniform numbers are a lattice: ``u = frac(row_u[i] + col_u[j] + offset)``, where ``row_u`` and ``col_u`` are
 fixed per matrix (a hash of the matrix's salt, :func:`salt_of`, and the *global* row or column index, so every rank
@@ -42,8 +45,9 @@ def round_bf16(value: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``value`` (fp32) rounded stochastically to bf16 with uniform numbers ``u`` in [0, 1) (broadcastable)."""
     nearest = value.to(torch.bfloat16).float()
     residual = value - nearest
-    towards = torch.where(residual >= 0, _NEIGHBOUR, -_NEIGHBOUR)
-    neighbour = (nearest + towards * nearest.abs()).to(torch.bfloat16).float()
+    # towards the residual's side (an exact zero residual counts as positive); a ``where`` between two Python floats
+    # here stopped ahead-of-time builds (their scalar analysis cannot restart)
+    neighbour = (nearest + (nearest.abs() * _NEIGHBOUR).copysign(residual)).to(torch.bfloat16).float()
     far = u * (neighbour - nearest).abs() < residual.abs()
     return torch.where(far, neighbour, nearest).to(torch.bfloat16)
 
