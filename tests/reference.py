@@ -178,7 +178,8 @@ def compact_update(
     m = exp_avg.float()
     m = m + (grad - m) * scalars[2]
     v = exp_avg_sq.float() * scalars[3] + grad * grad * scalars[4]
-    step = -scalars[5] * m / (v.sqrt() * scalars[6] + scalars[7])
+    # sqrt rounded correctly (in fp64, then once to fp32), as the worker's step computes it, compiled or eager
+    step = -scalars[5] * m / (v.double().sqrt().float() * scalars[6] + scalars[7])
     if stochastic:
         m = m.to(torch.bfloat16).float()
         v = round_bf16(v, lattice(row_u, col_u, scalars[8]))

@@ -14,6 +14,7 @@ would compound) through a refresh (steps 8 and 13), a flush mid-run (after step 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,9 @@ from torch import nn
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.compiled import aot_available
 from lightning_zenflow.engine.export import adamw_state
+from lightning_zenflow.engine.kernels import compiler_missing
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")  # every engine's host worker is joined
 
@@ -192,6 +195,40 @@ def test_resume_is_bitwise_the_uninterrupted_run(uninterrupted: Uninterrupted, s
     for index, entry in uninterrupted.final_torch_state["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(final_torch_state["state"][index][key], entry[key])
+
+
+def test_a_resume_mid_window_with_compiled_kernels_is_bitwise() -> None:
+    """The compact state with its kernels compiled (built ahead of time, never on a lane): a snapshot in the middle
+    of a window with the previous window's update in flight, resumed, equals the uninterrupted run to the bit."""
+    if compiler_missing(torch.device("cpu")) is not None or aot_available() is not None:
+        pytest.skip("no C++ compiler for torch.compile, or no ahead-of-time builds in this torch")
+    config = dataclasses.replace(CONFIG, interim_kernel="compiled")
+    assert config.host_state == "bf16"
+    history, snapshot = {}, None
+    model = _net()
+    opt = _optimizer(model)
+    with ZenFlowEngine(opt, config, param_names={p: n for n, p in model.named_parameters()}) as engine:
+        for t in range(1, STEPS + 1):
+            _train_step(engine, model, opt, t)
+            history[t] = _weights(model)
+            if t == 5:
+                snapshot = (copy.deepcopy(engine.state_dict()), copy.deepcopy(model))
+        assert engine.kernels.mode == "compiled"
+        engine.flush()
+        history["final"] = _weights(model)
+    state, saved_model = snapshot
+    assert (state["progress"]["steps_in_window"], state["progress"]["pending"] is not None) == (1, True)
+    model = copy.deepcopy(saved_model)
+    opt = _optimizer(model)
+    with ZenFlowEngine(opt, config, param_names={p: n for n, p in model.named_parameters()}) as engine:
+        engine.load_state_dict(copy.deepcopy(state))
+        for t in range(6, STEPS + 1):
+            _train_step(engine, model, opt, t)
+            for name, value in model.state_dict().items():
+                assert torch.equal(value, history[t][name]), f"{name} after step {t}"
+        engine.flush()
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, history["final"][name]), f"{name} after the final flush"
 
 
 # ------------------------------------------------------------------------------------------- validation

@@ -209,6 +209,9 @@ SCENARIOS = {
     "device-fp32-land_after": ("device", torch.float32, {"update_interval": 3, "land_after": 1}),
     # host accumulation, bf16 (staged uploads in the consumed accumulator), a window of 2
     "host-bf16": ("host", torch.bfloat16, {"update_interval": 2}),
+    # the compact state's kernels as they run by default on a large model: built ahead of time and compiled (the
+    # window's bf16 sum, the bf16 moves and landings on the side lane, the worker's step)
+    "device-bf16-compiled": ("device", torch.bfloat16, {"update_interval": 3, "interim_kernel": "compiled"}),
 }
 OVERFLOW_STEP = 7
 """A 16-mixed overflow (``found_inf`` = 1) mid-window: skipped on the device, not counted in the window's mean."""
