@@ -162,12 +162,15 @@ class HostProblem:
 
     def __init__(self, numel: int, chunk: int, state_dtype: torch.dtype, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
+        # matrices of 4096 columns, as a model's layers are (a size that 4096 does not divide is rounded up to rows
+        # of 4096: 1M is 256 rows, 16M 3907 rows in four matrices)
+        cols = 4096
+        numel = cols * -(-numel // cols)
+        chunk = cols * max(1, chunk // cols)
         sizes = [min(chunk, numel - start) for start in range(0, numel, chunk)]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        cols = 4096
         self.extents = tuple(
-            MatrixExtent(o, n, torch.bfloat16, cols if n % cols == 0 else n, 0, salt=i)
-            for i, (o, n) in enumerate(zip(offsets, sizes))
+            MatrixExtent(o, n, torch.bfloat16, cols, 0, salt=i) for i, (o, n) in enumerate(zip(offsets, sizes))
         )
         # the engine's host format: the moments and one window row, in the state's dtype, each its own shared row
         rows = [torch.zeros(numel, dtype=state_dtype).share_memory_() for _ in range(3)]
@@ -296,8 +299,8 @@ def host_tables(args: argparse.Namespace) -> dict[str, Any]:
 
     rows, records = [], []
     for size in args.sizes:
-        numel = int(size * 1e6)
-        problem = HostProblem(numel, chunk, state_dtype)
+        problem = HostProblem(int(size * 1e6), chunk, state_dtype)
+        numel = problem.numel
         optimizer = problem.fused_adamw()
         for threads in args.threads:
             with bench_utils.pinned(cores[:threads], threads):

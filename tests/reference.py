@@ -126,14 +126,15 @@ def unit(*parts: int) -> float:
 
 
 def round_bf16(value: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of fp32 ``value`` to bf16 (returned as fp32): to the far neighbour when
-    ``u * step < |residual|``."""
-    nearest = value.to(torch.bfloat16).float()
-    residual = value - nearest
-    towards = torch.where(residual >= 0, 0.55 * 2.0**-7, -0.55 * 2.0**-7)
-    neighbour = (nearest + towards * nearest.abs()).to(torch.bfloat16).float()
-    far = u * (neighbour - nearest).abs() < residual.abs()
-    return torch.where(far, neighbour, nearest).to(torch.bfloat16).float()
+    """Stochastic rounding of fp32 ``value`` to bf16 (returned as fp32): ``|value| + u * d`` floored to the bf16 grid
+    (``d`` the grid's spacing at ``|value|``, from the unit in the first place, Rump's algorithm), sign restored."""
+    a = value.abs()
+    ufp = (a * (2.0**23 + 1.0) - a * (2.0**23 + 1.0) * (1.0 - 2.0**-24)).abs()
+    d = ufp * 2.0**-7
+    shifted = a + u * d - d * 0.5
+    floored = (shifted + d * (1.5 * 2.0**23)) - d * (1.5 * 2.0**23)
+    kept = torch.where(a < 2.0**100, floored, a)
+    return kept.copysign(value).to(torch.bfloat16).float()
 
 
 def lattice(row_u: torch.Tensor, col_u: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

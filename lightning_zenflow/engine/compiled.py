@@ -11,7 +11,7 @@ numbers then depended on thread timing.
 So a kernel is built *ahead of time* (``torch.compile(...).aot_compile``, torch >= 2.9): :meth:`CompiledFunction.prepare`
 runs on the owning thread (the training thread, or the host worker's builder) with the arguments the lane will pass,
 and returns at once when an equivalent build exists. A call, on any thread, runs the build whose guards accept the
-arguments (dtypes, ranks, contiguity, sizes of 0 and 1), or else the eager function: it never compiles. The guards
+arguments (dtypes, ranks, contiguity), or else the eager function: it never compiles. The guards
 on process-wide state that a lane cannot control and the kernels do not read (the default dtype, grad mode) are
 dropped; every call runs under ``no_grad``.
 
@@ -98,8 +98,8 @@ def kind_of(args: tuple) -> tuple:
 
 def stand_ins(args: tuple) -> tuple:
     """Arguments like ``args`` with generic sizes: equal sizes stay equal (a row table has the matrix's rows),
-    distinct sizes stay distinct, none is 0 or 1; contiguous fresh tensors; ints other than 0 and 1 (which dynamo
-    would specialise on)."""
+    distinct sizes stay distinct; contiguous fresh tensors; ints other than 0 and 1 (which dynamo would specialise
+    on)."""
     sizes: dict[int, int] = {}
     out = []
     for arg in args:
@@ -139,7 +139,8 @@ def _build(fn: Callable, args: tuple) -> Any:
         torch.no_grad(),
         process_state_kept(),
         inductor_config.patch(emulate_precision_casts=True),
-        fx_config.patch(use_duck_shape=False),
+        # sizes may be 1 (a row block of one row, a rank's single row): no specialisation on 0 and 1
+        fx_config.patch(use_duck_shape=False, backed_size_oblivious=True),
     ):
         compiled = torch.compile(fn, fullgraph=True, dynamic=True, options={"guard_filter_fn": _keep_guard})
         return compiled.aot_compile((stand_ins(args), {}))
@@ -235,7 +236,7 @@ class CompiledFunction:
         return fit
 
     def __call__(self, *args: object) -> object:
-        if self.owner is not None and threading.get_ident() == self.owner and not self.broken:
+        if (self.owner is None or threading.get_ident() == self.owner) and not self.broken:
             self.prepare(*args)
         fit = self._fitting(args) if self._builds else None
         with torch.no_grad():

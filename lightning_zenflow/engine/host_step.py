@@ -330,7 +330,8 @@ class StepKernels:
     waiting before)."""
 
     def __init__(self, mode: str = "eager", elements: int | None = None, background: bool = False) -> None:
-        self.kernels = Kernels(mode, torch.device("cpu"), elements)
+        # in the worker only the builder thread builds; elsewhere (a benchmark, the planner) whichever thread calls
+        self.kernels = Kernels(mode, torch.device("cpu"), elements, owner=False)
         self.step_ = self.kernels.wrap(adam_step_)
         self.master_step_ = self.kernels.wrap(adam_master_step_)
         self.noise = NoiseTables()
