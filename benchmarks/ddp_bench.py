@@ -190,8 +190,10 @@ def run_mode(rank: int, world: int, mode: str, args: argparse.Namespace) -> dict
         training_cores = sorted(os.sched_getaffinity(0))
         worker_cores = sorted(os.sched_getaffinity(engine.worker_pid)) if engine.worker_pid else None
         for index in range(args.warmup_steps + args.steps):
-            if index == args.warmup_steps and world > 1:
-                dist.barrier()  # waits for the other rank: both start the measured window together
+            if index == args.warmup_steps:
+                engine.wait_for_builds()  # the steady state: the worker's compiled step is built
+                if world > 1:
+                    dist.barrier()  # waits for the other rank: both start the measured window together
             engine.wait_for_update()  # the forward reads weights the last device update / upload wrote
             if index >= args.warmup_steps:
                 step_marks.append(time.perf_counter())

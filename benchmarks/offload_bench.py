@@ -425,6 +425,9 @@ def run_spec(
         wall_s = 0.0
         for index, (x, y) in enumerate(batches):
             if index == warmup:
+                if engine is not None:
+                    # the steady state: the worker's compiled step is built (it runs eagerly until then)
+                    engine.wait_for_builds()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # start of the measurement window: warm-up work has finished
                 profiler.__enter__()

@@ -190,6 +190,15 @@ class ZenFlowEngine(EngineLifecycle):
             self.lanes.compute.wait(self.device_updater.update_done, "compute after gradients read")
             self.lanes.settle()
 
+    def wait_for_builds(self) -> None:
+        """Block until the host worker's compiled step is built. Until then the worker runs its step eagerly (the same
+        numbers, more time per update): a benchmark that measures the steady state calls this first. The update in
+        flight, if any, finishes computing first (it is not applied)."""
+        self._require_started()
+        if self._worker is not None:
+            self._await_pending()
+            self._worker.wait_for_builds()
+
     def sync(self) -> None:
         """Apply the host update in flight, if any, so the model holds every finished update. Leaves the open
         window's accumulated gradients pending (they belong to the next window end)."""

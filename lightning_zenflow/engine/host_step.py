@@ -386,9 +386,9 @@ class StepKernels:
             else:
                 Kernels.prepare(self.step_, grad, m, v, row_u, col_u, scalars, stochastic)
 
-    def before_update(self, elements: int) -> None:
-        """A large region waits for a build in progress (a small one runs eagerly meanwhile)."""
-        if elements > EAGER_WHILE_BUILDING_ELEMENTS:
+    def before_update(self, elements: int | None) -> None:
+        """A large region (or ``None``: any) waits for a build in progress; a small one runs eagerly meanwhile."""
+        if elements is None or elements > EAGER_WHILE_BUILDING_ELEMENTS:
             self._idle.wait()  # thread wait: the builder thread finishes the step's build (seconds, once)
 
     def close(self) -> None:
