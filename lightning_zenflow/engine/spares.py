@@ -1,10 +1,16 @@
-"""Spare host workers: a closed engine's worker kept for the next engine of this process (opt-in).
+"""Spare host workers: a closed engine's worker kept for the next engine of this process.
 
-Spawning a worker imports torch in the new process: seconds. A process that builds many engines one after another
-(a test suite, a notebook re-running a cell) can opt in with :func:`keep_spare_workers`: a worker whose engine
-closed cleanly drops every reference to that engine's buffers, says so, and waits here until the next engine
-adopts it with its own spec (``engine/host.py``, the ``release`` and ``adopt`` commands). Off by default: then a
-closed engine leaves no process behind. Spares die with this process (``PR_SET_PDEATHSIG``) and are stopped at exit.
+Spawning a worker imports torch in the new process: more than a second, which every ``Trainer.fit`` paid again. With
+:func:`keep_spare_workers` on, a worker whose engine closed cleanly drops every reference to that engine's buffers,
+says so, and waits here (idle, holding no shared block) until the next engine adopts it with its own spec
+(``engine/host.py``, the ``release`` and ``adopt`` commands): a notebook's second ``fit``, a learning-rate finder, a
+sweep of short runs start at once. Spares die with this process (``PR_SET_PDEATHSIG``) and are stopped at exit; a
+worker that failed, or closed with an update in flight, is stopped, never kept.
+
+Undecided (the default) until something decides: the Lightning strategy turns spares on for its process
+(:func:`keep_spare_workers_by_default`) unless the program chose with :func:`keep_spare_workers` first;
+``ZenFlowAdamW`` and a bare ``ZenFlowEngine`` leave the choice alone, so a plain loop's closed engine leaves no
+process behind.
 
 Such a process can also opt in with :func:`start_workers_preloaded`: new workers are then forked from
 multiprocessing's fork server, which imported the worker's modules once for this process, so a start costs a fork
@@ -26,7 +32,8 @@ from collections.abc import Sequence
 
 MAX_SPARES = 2
 _spares: list[tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]] = []
-_wanted = False
+_wanted: bool | None = None
+"""Whether closed engines' workers are kept: None until the program (or the Lightning strategy) decides."""
 _preloaded = False
 WORKER_MODULE = "lightning_zenflow.engine.host"
 
@@ -38,6 +45,14 @@ def keep_spare_workers(enabled: bool) -> None:
     _wanted = bool(enabled)
     if not enabled:
         stop_spare_workers()
+
+
+def keep_spare_workers_by_default() -> None:
+    """Keep spares unless the program has decided with :func:`keep_spare_workers` (the Lightning strategy's default:
+    the next ``fit`` of this process adopts the worker instead of spawning one)."""
+    global _wanted
+    if _wanted is None:
+        _wanted = True
 
 
 def start_workers_preloaded(enabled: bool, also_preload: Sequence[str] = ()) -> None:
@@ -56,7 +71,7 @@ def start_method() -> str:
 
 
 def wanted() -> bool:
-    return _wanted and len(_spares) < MAX_SPARES
+    return bool(_wanted) and len(_spares) < MAX_SPARES
 
 
 def keep(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection) -> None:
@@ -66,7 +81,7 @@ def keep(process: multiprocessing.process.BaseProcess, conn: multiprocessing.con
 
 def adopt(command: tuple) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection] | None:
     """Send ``command`` (the adoption, with the new engine's spec) to a live spare and return it; None if none."""
-    while _wanted and _spares:
+    while bool(_wanted) and _spares:
         process, conn = _spares.pop()
         try:
             if not process.is_alive():

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from lightning_zenflow.checkpoints.hooks import CheckpointHooks
 from lightning_zenflow.config import ZenFlowConfig
-from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine
+from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine, spares
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.strategies.boundaries import SyncBoundaries as _SyncBoundaries
@@ -125,6 +125,8 @@ class ZenFlowStrategyBase(CheckpointHooks):
             return
         self._final_state = None
         self._manual = None
+        # the next fit of this process adopts this one's worker instead of spawning one (engine/spares.py)
+        spares.keep_spare_workers_by_default()
         if not trainer.lightning_module.automatic_optimization:
             self._setup_manual(trainer)
             return
