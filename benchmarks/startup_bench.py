@@ -1,21 +1,15 @@
 """Start-up: what a ``Trainer.fit`` costs beyond its steps with ZenFlow, against plain AdamW, side by side.
 
-Each row runs in a process of its own: three fits of ``--steps`` steps of one model in that process
-(``Trainer(strategy=...)``, the same data), timed from ``Trainer(...)`` to the end of ``fit``; the extra time of a
-ZenFlow fit is its time minus plain AdamW's fit with the same index. Rows:
+Each row runs in a process of its own: three fits of ``--steps`` steps in that process, timed from ``Trainer(...)`` to
+the end of ``fit``; a fit's extra time is ZenFlow's minus AdamW's fit with the same index. ``small``: a two-layer
+model (2.2 k parameters) whose kernels run eagerly under ``interim_kernel="auto"`` (nothing to build); ``large``: two
+2048 x 2048 matrices, whose kernels "auto" compiles (``engine/compiled.py``), with torch's compile cache warm and
+empty (a fresh ``TORCHINDUCTOR_CACHE_DIR``). Later fits adopt the first one's worker (``engine/spares.py``) and reuse
+the builds. The second table breaks the first ZenFlow fit's start down: the worker's start, the host buffers, each
+kernel build, the close.
 
-- ``small``: the two-layer model of a first try (32 -> 64 -> 1, 2.2 k parameters): ``interim_kernel="auto"`` runs its
-  kernels eagerly (nothing to build), so its extra time is the host worker's start (the first fit; later fits adopt
-  the previous fit's worker, ``engine/spares.py``) and the rest of the engine's set-up;
-- ``large``: two 2048 x 2048 matrices (8.4 M parameters), large enough that "auto" builds compiled kernels
-  (``engine/compiled.py``): the first fit of a process builds them, later fits reuse the builds; with torch's compile
-  cache warm (``warm``) and with an empty one (``cold``, a fresh ``TORCHINDUCTOR_CACHE_DIR``).
-
-The second table breaks the first ZenFlow fit's start down (from the engine's own clocks, in that process): the
-worker's start (spawn, imports, its "ready"), the host buffers (shared memory), each kernel build, and the close.
-
-    python benchmarks/startup_bench.py            # all rows, ~2 minutes on 2 cores (the cold row builds everything)
-    python benchmarks/startup_bench.py --quick    # the small rows only, < 30 s
+    python benchmarks/startup_bench.py            # all rows, ~1.5 minutes on 2 cores
+    python benchmarks/startup_bench.py --quick    # the small model only, < 30 s
 """
 
 from __future__ import annotations
@@ -57,13 +51,12 @@ def child(strategy: str, size: str, steps: int) -> dict[str, Any]:
     import lightning_zenflow
     from lightning_zenflow.engine import compiled, host, lifecycle
 
-    width = 64 if size == "small" else 2048
-    inputs = 32 if size == "small" else 2048
+    inputs, width, out = (32, 64, 1) if size == "small" else (2048, 2048, 2048)
 
     class Model(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, 1 if size == "small" else width))
+            self.net = nn.Sequential(nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, out))
 
         def training_step(self, batch: Any, index: int) -> torch.Tensor:
             x, y = batch
@@ -72,7 +65,6 @@ def child(strategy: str, size: str, steps: int) -> dict[str, Any]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    out = 1 if size == "small" else width
     data = DataLoader(TensorDataset(torch.randn(16 * steps, inputs), torch.randn(16 * steps, out)), batch_size=16)
     clocks: dict[str, float] = {}
 
@@ -81,10 +73,9 @@ def child(strategy: str, size: str, steps: int) -> dict[str, Any]:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                clocks.setdefault(label, time.perf_counter() - started)
+            result = original(*args, **kwargs)
+            clocks.setdefault(label, time.perf_counter() - started)  # the first fit's
+            return result
 
         setattr(owner, name, wrapper)
 
@@ -95,16 +86,8 @@ def child(strategy: str, size: str, steps: int) -> dict[str, Any]:
     for _ in range(FITS):
         started = time.perf_counter()
         chosen: Any = "auto" if strategy == "auto" else lightning_zenflow.ZenFlowStrategy(full_warm_up_rounds=2)
-        trainer = L.Trainer(
-            max_steps=steps,
-            strategy=chosen,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+        trainer = L.Trainer(max_steps=steps, strategy=chosen, accelerator="cpu", devices=1, **quiet)
         trainer.fit(Model(), data)
         times.append(time.perf_counter() - started)
     builds = [(name, seconds) for name, seconds in compiled.BUILD_LOG.builds]
@@ -112,18 +95,10 @@ def child(strategy: str, size: str, steps: int) -> dict[str, Any]:
 
 
 def run_row(strategy: str, size: str, steps: int, cache: str | None) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.pop("LIGHTNING_ZENFLOW_KERNELS", None)
-    if cache is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
-    result = subprocess.run(
-        [sys.executable, __file__, "--child", strategy, size, str(steps)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1800,
-        check=False,
-    )
+    env = {key: value for key, value in os.environ.items() if key != "LIGHTNING_ZENFLOW_KERNELS"}  # "auto" decides
+    env.update({"TORCHINDUCTOR_CACHE_DIR": cache} if cache is not None else {})
+    command = [sys.executable, __file__, "--child", strategy, size, str(steps)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{strategy} {size} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -131,9 +106,8 @@ def run_row(strategy: str, size: str, steps: int, cache: str | None) -> dict[str
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        strategy, size, steps = args.child
-        print(json.dumps(child(strategy, size, int(steps))))
+    if args.child:  # one row's process: its three fits
+        print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]))))
         return 0
     import torch
 
@@ -148,21 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{size} {cache}"] = {"adamw": adamw, "zenflow": zenflow}
             extra = [z - a for z, a in zip(zenflow["fits_s"], adamw["fits_s"])]
             table.append([size, cache, *adamw["fits_s"], *zenflow["fits_s"], *extra])
-            for label, seconds in zenflow["breakdown_s"].items():
-                breakdown.append([f"{size} {cache}", label, seconds])
-            for name, seconds in zenflow["builds"]:
-                breakdown.append([f"{size} {cache}", f"build {name}", seconds])
-    headers = ["model", "compile cache"]
-    headers += [f"AdamW fit {i + 1} s" for i in range(FITS)] + [f"ZenFlow fit {i + 1} s" for i in range(FITS)]
-    headers += [f"extra fit {i + 1} s" for i in range(FITS)]
+            parts = [*zenflow["breakdown_s"].items(), *((f"build {name}", s) for name, s in zenflow["builds"])]
+            breakdown += [[f"{size} {cache}", label, seconds] for label, seconds in parts]
+    headers = ["model", "compile cache"] + [f"{what} fit {i + 1} s" for what in ("AdamW", "ZenFlow", "extra") for i in range(FITS)]
     bench_utils.print_table(f"fits of {args.steps} steps, three in one process", headers, table, digits=2)
-    bench_utils.print_table(
-        "where the first ZenFlow fit's start goes", ["row", "part", "seconds"], breakdown, digits=2
-    )
+    bench_utils.print_table("where the first ZenFlow fit's start goes", ["row", "part", "seconds"], breakdown, digits=2)
     print("targets: extra fit 1 <= 1.5 s, extra fit 2 <= 1.0 s (warm cache)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"steps": args.steps, "quick": args.quick}
-    args.out.write_text(json.dumps({"machine": info, "settings": settings, "results": results}, indent=2))
+    args.out.write_text(json.dumps({"machine": info, "settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

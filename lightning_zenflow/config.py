@@ -80,12 +80,17 @@ class ZenFlowConfig:
     matrix element a step with fp32 weights, 6.5 B with bf16 (``interim_kernel``); O(rows + columns) fp32 of state."""
 
     interim_kernel: Literal["auto", "compiled", "eager"] = "auto"
-    """How ZenFlow's elementwise kernels run (the interim moves and the compact state's window sum on the device, the
-    AdamW step in the host worker): ``"compiled"`` builds each with ``torch.compile`` into one fused kernel (C++ on a
-    CPU, which needs a C++ compiler; Triton on CUDA), ``"eager"`` runs the same functions as several separate passes
-    with temporaries. ``"auto"``: compiled where a compiler is found, else eager with a warning (the environment
-    variable ``LIGHTNING_ZENFLOW_KERNELS=eager|compiled`` overrides it). The first steps build the kernels (seconds;
-    cached on disk by torch for later runs)."""
+    """How ZenFlow's elementwise kernels run (the interim moves, the landing and the compact state's window sum on the
+    device, the AdamW step in the host worker): ``"compiled"`` builds each ahead of its first use, on the training
+    thread (and in the worker on a thread of its own), into one fused kernel (``torch.compile``'s ahead-of-time
+    build, torch >= 2.9: C++ on a CPU, which needs a C++ compiler; Triton on CUDA); ``"eager"`` runs the same functions
+    as several separate passes. On a CPU both give the same bits (the statistics' sums aside: compiled, they add in
+    another order), so a call no build accepts runs eagerly without changing a number, and the worker runs its step
+    eagerly until its build is ready. ``"auto"``: compiled where a compiler is found and this rank's host-bound matrices
+    hold at least 4 M elements (below that the builds cost more than they save), else eager (with a warning when no
+    compiler is found); the environment variable ``LIGHTNING_ZENFLOW_KERNELS=eager|compiled`` overrides it. A process
+    builds each kernel once (1-3 s each with torch's compile cache warm, 5-20 s with it empty); later fits reuse the
+    builds."""
 
     accumulate_on: Literal["auto", "device", "host"] = "auto"
     """Where the window's unselected gradient columns are summed. ``"device"``: an accumulator on the device (bf16,
