@@ -72,7 +72,10 @@ def ratios(exported: dict, adamw: dict, matrices: list[int]) -> list[float]:
 def counts_only(engine: Any, betas: tuple[float, float]) -> dict[int, dict[str, torch.Tensor]]:
     """The export restated at the optimizer step by the counts alone (the single-step scale left out)."""
     merged = engine.state_dict(include_moments=True)["params"]
-    plain = {name: {k: v for k, v in entry.items() if k not in ("interim_row", "interim_decay")} for name, entry in merged.items()}
+    plain = {
+        name: {k: v for k, v in entry.items() if k not in ("interim_row", "interim_decay")}
+        for name, entry in merged.items()
+    }
     # ZenFlowAdamW names a parameter by its place: groupG.paramP
     return {int(name.rsplit("param", 1)[1]): export_module.adamw_state(entry, betas) for name, entry in plain.items()}
 
@@ -113,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=2))
+    args.out.write_text(
+        json.dumps({"machine": info, "settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
+    )
     return 0
 
 

@@ -124,12 +124,16 @@ def main(argv: list[str] | None = None) -> int:
             table.append([size, cache, *adamw["fits_s"], *zenflow["fits_s"], *extra])
             parts = [*zenflow["breakdown_s"].items(), *((f"build {name}", s) for name, s in zenflow["builds"])]
             breakdown += [[f"{size} {cache}", label, seconds] for label, seconds in parts]
-    headers = ["model", "compile cache"] + [f"{what} fit {i + 1} s" for what in ("AdamW", "ZenFlow", "extra") for i in range(FITS)]
+    headers = ["model", "compile cache"] + [
+        f"{what} fit {i + 1} s" for what in ("AdamW", "ZenFlow", "extra") for i in range(FITS)
+    ]
     bench_utils.print_table(f"fits of {args.steps} steps, three in one process", headers, table, digits=2)
     bench_utils.print_table("where the first ZenFlow fit's start goes", ["row", "part", "seconds"], breakdown, digits=2)
     print("targets: extra fit 1 <= 1.5 s, extra fit 2 <= 1.0 s (warm cache)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=2))
+    args.out.write_text(
+        json.dumps({"machine": info, "settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
+    )
     print(f"wrote {args.out}")
     return 0
 

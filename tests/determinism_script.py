@@ -59,7 +59,10 @@ class SmallGPT(LightningModule):
 
 
 def fit(
-    precision: str = "bf16-true", strategy: str = "zenflow", kernels: str = "compiled", steps: int = 60,
+    precision: str = "bf16-true",
+    strategy: str = "zenflow",
+    kernels: str = "compiled",
+    steps: int = 60,
     host_state: str = "bf16",
 ) -> dict[str, Any]:
     """One seeded fit; what a rerun must reproduce (see the module docstring)."""
@@ -97,7 +100,7 @@ def fit(
     for name, value in sorted(module.state_dict().items()):
         weights.update(name.encode())
         weights.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    result = {
+    return {
         "weights": weights.hexdigest(),
         "rng": module.rng_seen.hexdigest(),
         "dtypes": {where: sorted(seen) for where, seen in module.dtypes_seen.items()},
@@ -105,7 +108,6 @@ def fit(
         "kernels": module.kernels,
         "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""),
     }
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -474,7 +474,9 @@ def test_reference_degenerate_cases_equal_torch(ratio: float, overlap: bool, opt
 
 
 COMPACT_DEGENERATE_CASES = [
-    Case(0.0, 1, 0, False, "S", "l2", "adamw", host_state="bf16"),  # ZeRO-Offload: every column on the host, synchronous
+    Case(
+        0.0, 1, 0, False, "S", "l2", "adamw", host_state="bf16"
+    ),  # ZeRO-Offload: every column on the host, synchronous
     Case(0.0, 1, 2, True, "S", "l1", "adam-mixed", host_state="bf16"),  # the same one step late, after a warm-up
     Case(0.0, 1, 0, False, "S", "l2", "adam-mixed", host_state="bf16", accumulate_on="host"),
 ]

@@ -29,8 +29,7 @@ from lightning_zenflow.engine.kernels import KERNELS_ENV
 pytestmark = [
     pytest.mark.usefixtures("no_leaked_children"),
     pytest.mark.skipif(
-        kernels_module.compiler_missing(torch.device("cpu")) is not None
-        or compiled_module.aot_available() is not None,
+        kernels_module.compiler_missing(torch.device("cpu")) is not None or compiled_module.aot_available() is not None,
         reason="no C++ compiler for torch.compile, or no ahead-of-time builds in this torch",
     ),
 ]

@@ -8,8 +8,8 @@ draws from, and under ``precision="bf16-true"`` (which sets the default dtype to
 call fails dynamo's guard on the default dtype, compiles again, and its restore leaves bf16 as the default. A run's
 numbers then depended on thread timing.
 
-So a kernel is built *ahead of time* (``torch.compile(...).aot_compile``, torch >= 2.9): :meth:`CompiledFunction.prepare`
-runs on the owning thread (the training thread, or the host worker's builder) with the arguments the lane will pass,
+So a kernel is built *ahead of time* (``torch.compile(...).aot_compile``, torch >= 2.9):
+:meth:`CompiledFunction.prepare` runs on the owning thread (the training thread, or the host worker's builder) with the arguments the lane will pass,
 and returns at once when an equivalent build exists. A call, on any thread, runs the build whose guards accept the
 arguments (dtypes, ranks, contiguity), or else the eager function: it never compiles. The guards
 on process-wide state that a lane cannot control and the kernels do not read (the default dtype, grad mode) are
@@ -222,8 +222,9 @@ class CompiledFunction:
     # ------------------------------------------------------------------------------------------ running
     def _fitting(self, args: tuple) -> Any:
         meta = tuple(
-            (a.dtype, a.device, a.shape, a.stride(), a.storage_offset()) if isinstance(a, torch.Tensor) else
-            (type(a), a if a is None or isinstance(a, bool) or (isinstance(a, int) and a < 2) else None)
+            (a.dtype, a.device, a.shape, a.stride(), a.storage_offset())
+            if isinstance(a, torch.Tensor)
+            else (type(a), a if a is None or isinstance(a, bool) or (isinstance(a, int) and a < 2) else None)
             for a in args
         )
         if meta in self._fits:

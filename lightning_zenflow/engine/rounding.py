@@ -13,8 +13,8 @@ subtraction), then ``|x| + u * d`` floored to a multiple of ``d`` by adding and 
 grid, so its conversion is exact; it is the upper neighbour with the probability of the part cut off, so the
 expectation is ``x`` (to fp32's own rounding of ``|x| + u * d``; across a power of two too, where a noisy value below
 it would meet the finer grid). Every step is one IEEE operation: compiled (inductor, Triton) and eager give the same
-bits, with no conversion for a compiler to drop (an earlier form's ``float -> bf16 -> float`` round trips were dropped by
-inductor, which made the compiled rounding round-to-nearest) and nothing for it to contract (``engine/compiled.py``
+bits, with no conversion for a compiler to drop (an earlier form's ``float -> bf16 -> float`` round trips were dropped
+by inductor, which made the compiled rounding round-to-nearest) and nothing for it to contract (``engine/compiled.py``
 builds with ``emulate_precision_casts``, which also turns FMA contraction off on Triton). About 12 vector operations
 per element, against about 30 for the neighbour search it replaced (whose round trips cost a conversion each): the
 host step went from 25 to 15 ms per 16 M elements on one core. Values of ``|x| >= 2**100`` (where the spacing's
