@@ -9,11 +9,11 @@ call fails dynamo's guard on the default dtype, compiles again, and its restore 
 numbers then depended on thread timing.
 
 So a kernel is built *ahead of time* (``torch.compile(...).aot_compile``, torch >= 2.9):
-:meth:`CompiledFunction.prepare` runs on the owning thread (the training thread, or the host worker's builder) with the arguments the lane will pass,
-and returns at once when an equivalent build exists. A call, on any thread, runs the build whose guards accept the
-arguments (dtypes, ranks, contiguity), or else the eager function: it never compiles. The guards
-on process-wide state that a lane cannot control and the kernels do not read (the default dtype, grad mode) are
-dropped; every call runs under ``no_grad``.
+:meth:`CompiledFunction.prepare` runs on the owning thread (the training thread, or the host worker's builder) with
+the arguments the lane will pass, and returns at once when an equivalent build exists. A call, on any thread, runs the
+build whose guards accept the arguments (dtypes, ranks, contiguity), or else the eager function: it never compiles.
+The guards on process-wide state that a lane cannot control and the kernels do not read (the default dtype, grad
+mode) are dropped; every call runs under ``no_grad``.
 
 Each build is made from stand-in arguments of the same dtypes and ranks with generic sizes (every distinct size of
 the real arguments mapped to a distinct size of at least 2048, duck sizing off), so one build serves every matrix of
