@@ -52,6 +52,7 @@ def run(*args: str, cache: pathlib.Path | None = None) -> dict:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "leaked" not in result.stderr, result.stderr[-3000:]  # no semaphore or shared block left behind
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

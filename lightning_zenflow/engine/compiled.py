@@ -138,7 +138,8 @@ def _build(fn: Callable, args: tuple) -> Any:
     with (
         torch.no_grad(),
         process_state_kept(),
-        inductor_config.patch(emulate_precision_casts=True),
+        # compile_threads=1: no pool of compile processes (and their semaphores) outliving the build
+        inductor_config.patch(emulate_precision_casts=True, compile_threads=1),
         # sizes may be 1 (a row block of one row, a rank's single row): no specialisation on 0 and 1
         fx_config.patch(use_duck_shape=False, backed_size_oblivious=True),
     ):

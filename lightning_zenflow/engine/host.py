@@ -131,8 +131,10 @@ def worker_main(conn: multiprocessing.connection.Connection, spec: WorkerSpec | 
             box.append(_serve(conn, box, all_cores))
     finally:
         conn.close()
-    # stopped by its engine: every thread is joined and the shared blocks belong to the main process, so nothing is
-    # left to flush; skip the interpreter's teardown of torch (about half a second at the end of every fit)
+    # stopped by its engine: every thread is joined and the shared blocks belong to the main process; run
+    # multiprocessing's finalizers (a semaphore the compiler made is unregistered), then skip the interpreter's
+    # teardown of torch (about half a second at the end of every fit)
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
