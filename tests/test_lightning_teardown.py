@@ -211,3 +211,42 @@ def test_the_learning_rate_finder_runs_and_the_fit_after_it_has_the_strategys_ca
     assert len(finder.results["lr"]) == 6
     trainer.fit(module)
     assert callbacks.own_callbacks[-2:] == [2, 2], "both epochs of the fit ran with ZenFlow's callbacks"
+
+
+TWO_FITS = """
+import lightning, torch, warnings
+warnings.filterwarnings("ignore")
+from lightning_helpers import RecordWorkerPid, TinyModule, make_trainer
+from lightning_zenflow import ZenFlowStrategy
+from lightning_zenflow.engine import spares
+pids = []
+for _ in range(2):
+    record = RecordWorkerPid()
+    make_trainer(ZenFlowStrategy(full_warm_up_rounds=0, topk_ratio=0.25), max_epochs=1, callbacks=[record]).fit(
+        TinyModule()
+    )
+    pids += record.pids
+print("pids", *pids, "spares", *spares.spare_worker_pids())
+"""
+
+
+def test_a_second_fit_of_the_process_adopts_the_first_ones_worker_and_none_outlives_the_process() -> None:
+    """In a process that has not chosen (a user's script), the strategy keeps the idle worker of a fit for the next
+    fit (no second start: more than a second), and the worker ends with the process."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run(
+        [sys.executable, "-c", TWO_FITS], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    words = result.stdout.split("pids", 1)[1].split()
+    first, second, kept = int(words[0]), int(words[1]), [int(w) for w in words[3:]]
+    assert first == second  # the second fit adopted the first one's worker
+    assert kept == [first]  # idle after the second fit, as a spare
+    deadline = time.monotonic() + 10
+    while not process_gone(first) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_gone(first), "the spare outlived its process"
