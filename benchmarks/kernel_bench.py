@@ -229,6 +229,7 @@ def measure_worker(problem: HostProblem, threads: int, cores: list[int], repeats
     worker = HostWorker(spec, timeout_s=60.0)
     compute, wall = [], []
     try:
+        worker.wait_for_builds()  # the steady state: its compiled step is built (it runs eagerly until then)
         for index in range(repeats + 2):
             problem.refill_grads()
             started = time.perf_counter()

@@ -96,6 +96,12 @@ def kind_of(args: tuple) -> tuple:
     return tuple(kind)
 
 
+def _kind_now(args: tuple) -> tuple:
+    """The kind of a call and torch's thread count: a CPU build takes its parallel loops from the thread count of its
+    moment (one built with one thread runs on one), so another count needs a build of its own."""
+    return (kind_of(args), torch.get_num_threads())
+
+
 def stand_ins(args: tuple) -> tuple:
     """Arguments like ``args`` with generic sizes: equal sizes stay equal (a row table has the matrix's rows),
     distinct sizes stay distinct; contiguous fresh tensors; ints other than 0 and 1 (which dynamo would specialise
@@ -187,7 +193,7 @@ class CompiledFunction:
     # ------------------------------------------------------------------------------------------ building
     def prepare(self, *args: object) -> None:
         """Make sure a build exists for the kind of ``args`` (on the owning thread; a no-op when it exists)."""
-        kind = kind_of(args)
+        kind = _kind_now(args)
         if kind in self._builds or self.broken:
             return
         if self.owner is not None and threading.get_ident() != self.owner:
@@ -222,7 +228,7 @@ class CompiledFunction:
 
     # ------------------------------------------------------------------------------------------ running
     def _fitting(self, args: tuple) -> Any:
-        meta = tuple(
+        meta = (torch.get_num_threads(),) + tuple(
             (a.dtype, a.device, a.shape, a.stride(), a.storage_offset())
             if isinstance(a, torch.Tensor)
             else (type(a), a if a is None or isinstance(a, bool) or (isinstance(a, int) and a < 2) else None)
@@ -230,7 +236,7 @@ class CompiledFunction:
         )
         if meta in self._fits:
             return self._fits[meta]
-        built = self._builds.get(kind_of(args))
+        built = self._builds.get(_kind_now(args))
         if built is None:
             return None  # not remembered: a build of this kind may still come (a worker builds on a thread)
         fit = built if built.guard_check(*args) else None
@@ -244,7 +250,7 @@ class CompiledFunction:
         with torch.no_grad():
             if fit is not None:
                 return fit.fn(*args)
-            if self.strict and not self.broken and kind_of(args) not in self._builds:
+            if self.strict and not self.broken and _kind_now(args) not in self._builds:
                 # a build of this kind would have been prepared later, at a point that depends on timing
                 raise RuntimeError(
                     f"internal error: {self.name} runs before its build was prepared, and its eager sums round "

@@ -150,7 +150,14 @@ class InterimMoves:
         measured_ids = {id(item[0]) for item in measured}
         for state, grad, stats, _beta, eps, coefficient in work:
             slot = state.slot
-            kind = (grad.dtype, slot.param.dtype, id(state) in measured_ids, coefficient == 0.0)
+            # a build is per thread count too (engine/compiled.py): a program may change it between steps
+            kind = (
+                grad.dtype,
+                slot.param.dtype,
+                id(state) in measured_ids,
+                coefficient == 0.0,
+                torch.get_num_threads(),
+            )
             if kind in self._prepared:
                 continue
             self._prepared.add(kind)
