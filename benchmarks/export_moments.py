@@ -50,17 +50,12 @@ def batches(steps: int, batch: int, block: int, seed: int) -> list[torch.Tensor]
     return [torch.stack([corpus[s : s + block + 1] for s in row.tolist()]).long() for row in starts]
 
 
-def model_from(seed: int) -> torch.nn.Module:
-    return torch.manual_seed(seed) and GPT(GPTConfig())
-
-
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor], warmup: int) -> None:
     base = [group["lr"] for group in optimizer.param_groups]
     for step, tokens in enumerate(data, start=1):
         for group, lr in zip(optimizer.param_groups, base):
             group["lr"] = lr * min(1.0, step / warmup)
-        _, loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
+        model(tokens[:, :-1], tokens[:, 1:])[1].backward()  # the demo GPT returns (logits, loss)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -82,10 +77,10 @@ def counts_only(engine: Any, betas: tuple[float, float]) -> dict[int, dict[str, 
 
 def run(args: argparse.Namespace, betas: tuple[float, float]) -> dict[str, Any]:
     data = batches(args.steps, 8, 64, args.seed + 1)  # 8 blocks of 64 bytes a step
-    adamw_model = model_from(args.seed)
+    adamw_model = torch.manual_seed(args.seed) and GPT(GPTConfig())
     adamw = torch.optim.AdamW(adamw_model.parameters(), lr=args.lr, betas=betas, weight_decay=0.0)
     train(adamw_model, adamw, data, warmup=10)
-    model = model_from(args.seed)
+    model = torch.manual_seed(args.seed) and GPT(GPTConfig())
     matrices = [index for index, param in enumerate(model.parameters()) if param.ndim >= 2]
     with ZenFlowAdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.0) as zenflow:
         train(model, zenflow, data, warmup=10)

@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:  # one row's process: its three fits
         print(json.dumps(child(args.child[0], args.child[1], int(args.child[2]))))
         return 0
-    import torch
-
-    info = bench_utils.announce("startup_bench", torch.device("cpu"))
+    info = bench_utils.announce("startup_bench", __import__("torch").device("cpu"))
     rows = [("small", "warm")] if args.quick else [("small", "warm"), ("large", "warm"), ("large", "cold")]
     results, table, breakdown = {}, [], []
     with tempfile.TemporaryDirectory() as empty:
@@ -124,16 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             table.append([size, cache, *adamw["fits_s"], *zenflow["fits_s"], *extra])
             parts = [*zenflow["breakdown_s"].items(), *((f"build {name}", s) for name, s in zenflow["builds"])]
             breakdown += [[f"{size} {cache}", label, seconds] for label, seconds in parts]
-    headers = ["model", "compile cache"] + [
-        f"{what} fit {i + 1} s" for what in ("AdamW", "ZenFlow", "extra") for i in range(FITS)
-    ]
+    fits = [f"{what} fit {i + 1} s" for what in ("AdamW", "ZenFlow", "extra") for i in range(FITS)]
+    headers = ["model", "compile cache", *fits]
     bench_utils.print_table(f"fits of {args.steps} steps, three in one process", headers, table, digits=2)
     bench_utils.print_table("where the first ZenFlow fit's start goes", ["row", "part", "seconds"], breakdown, digits=2)
     print("targets: extra fit 1 <= 1.5 s, extra fit 2 <= 1.0 s (warm cache)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"machine": info, "settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=2)
-    )
+    record = {"machine": info, "settings": vars(args) | {"out": str(args.out)}, "results": results}
+    args.out.write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -71,6 +71,7 @@ LONGEST_FILES_FIRST = (
     "test_plan.py",
     "test_benchmarks.py",
     "test_engine_modes.py",
+    "test_kernels.py",
     "test_faults.py",
     "test_integrations.py",
     "test_optim.py",

@@ -197,6 +197,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(uninterrupted: Uninterrupted, s
             assert torch.equal(final_torch_state["state"][index][key], entry[key])
 
 
+@pytest.mark.slow  # builds its kernels (the eager resume tests above take the same path through the compact state)
 def test_a_resume_mid_window_with_compiled_kernels_is_bitwise() -> None:
     """The compact state with its kernels compiled (built ahead of time, never on a lane): a snapshot in the middle
     of a window with the previous window's update in flight, resumed, equals the uninterrupted run to the bit."""

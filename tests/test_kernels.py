@@ -373,9 +373,25 @@ def _train(
     return {name: value.detach().float().clone() for name, value in model.state_dict().items()}
 
 
+SLOW = pytest.mark.slow  # each case builds its kernels (seconds each with an empty compile cache, as in CI)
+
+
 @needs_compiler
-@pytest.mark.parametrize("host_state", ["bf16", "fp32"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32 weights", "bf16 weights"])
+@pytest.mark.parametrize(
+    ("host_state", "dtype"),
+    [
+        ("bf16", torch.bfloat16),
+        pytest.param("bf16", torch.float32, marks=SLOW),
+        pytest.param("fp32", torch.bfloat16, marks=SLOW),
+        pytest.param("fp32", torch.float32, marks=SLOW),
+    ],
+    ids=[
+        "bf16 state, bf16 weights",
+        "bf16 state, fp32 weights",
+        "fp32 state, bf16 weights",
+        "fp32 state, fp32 weights",
+    ],
+)
 def test_an_engine_without_interim_moves_trains_compiled_bit_for_bit_as_eager(host_state: str, dtype) -> None:
     eager = _train("eager", dtype, host_state=host_state, interim_step=0)
     compiled = _train("compiled", dtype, host_state=host_state, interim_step=0)
@@ -384,6 +400,7 @@ def test_an_engine_without_interim_moves_trains_compiled_bit_for_bit_as_eager(ho
 
 
 @needs_compiler
+@SLOW
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32 weights", "bf16 weights"])
 def test_an_engine_with_interim_moves_trains_compiled_as_eager(dtype: torch.dtype) -> None:
     """With the moves, only the statistics' sums differ (their order of addition), now and then by one fp32 ulp,

@@ -209,10 +209,10 @@ SCENARIOS = {
     "device-fp32-land_after": ("device", torch.float32, {"update_interval": 3, "land_after": 1}),
     # host accumulation, bf16 (staged uploads in the consumed accumulator), a window of 2
     "host-bf16": ("host", torch.bfloat16, {"update_interval": 2}),
-    # the compact state's kernels as they run by default on a large model: built ahead of time and compiled (the
-    # window's bf16 sum, the bf16 moves and landings on the side lane, the worker's step)
-    "device-bf16-compiled": ("device", torch.bfloat16, {"update_interval": 3, "interim_kernel": "compiled"}),
 }
+COMPILED_SCENARIO = ("device", torch.bfloat16, {"update_interval": 3, "interim_kernel": "compiled"})
+"""The compact state's kernels as they run by default on a large model: built ahead of time and compiled (the window's
+bf16 sum, the bf16 moves and landings on the side lane, the worker's step)."""
 OVERFLOW_STEP = 7
 """A 16-mixed overflow (``found_inf`` = 1) mid-window: skipped on the device, not counted in the window's mean."""
 
@@ -309,6 +309,16 @@ def test_adversarial_lanes_give_the_default_numbers_bitwise(default_runs, scenar
     mode, dtype, knobs = SCENARIOS[scenario]
     run = _run(mode, dtype, **knobs)
     assert _differences(run, default_runs[scenario]) == []
+
+
+@pytest.mark.slow  # builds the compiled kernels (seconds each with an empty compile cache)
+def test_adversarial_lanes_give_the_default_numbers_bitwise_with_compiled_kernels(monkeypatch) -> None:
+    mode, dtype, knobs = COMPILED_SCENARIO
+    expected = _run(mode, dtype, **knobs)
+    monkeypatch.setenv("LIGHTNING_ZENFLOW_LANES", "adversarial")
+    for seed in SEEDS:
+        monkeypatch.setenv("LIGHTNING_ZENFLOW_LANES_SEED", str(seed))
+        assert _differences(_run(mode, dtype, **knobs), expected) == [], seed
 
 
 @pytest.mark.parametrize("seed", SEEDS)

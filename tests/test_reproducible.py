@@ -78,7 +78,7 @@ def check_against_adamw(first: dict, adamw: dict, precision: str) -> None:
         assert first["dtypes"]["before_optimizer_step"] == ["torch.float32"]
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+@pytest.mark.parametrize("precision", ["bf16-true", pytest.param("32-true", marks=pytest.mark.slow)])
 def test_two_fits_in_one_process_give_the_same_bits_and_rng_as_adamw(
     precision: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
