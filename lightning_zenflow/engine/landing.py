@@ -156,11 +156,17 @@ class Uploads:
             seeds_host.copy_(torch.tensor(seeds, dtype=torch.int64))
             ring = self._ring(chunk_rows_bytes) if lanes.is_cuda else None
             additions = [(dst, src, scale, offset, seeds_host[i]) for dst, src, scale, offset, i in additions]
-            if self.prepare is not None and not lanes.is_cuda:
-                # built on this (the training) thread before the lane runs it; on CUDA the lane's call is on this
-                # thread and builds itself (engine/compiled.py)
-                for dst, src, scale, offset, seed_host in additions:
-                    self.prepare(self.landing_add, dst, src, scale, offset, seed_host)
+            if self.prepare is not None:
+                # built on this (the training) thread before the lane runs it (engine/compiled.py), with arguments
+                # where the lane's call has them: a source staged up to the device, the seed copied up
+                kinds = {
+                    (dst.dtype, src.dtype): (dst, src, scale, offset, seed)
+                    for dst, src, scale, offset, seed in additions
+                }
+                for dst, src, scale, offset, seed_host in kinds.values():
+                    src_like = src if src.device == dst.device else dst.new_empty((1, 1), dtype=src.dtype)
+                    seed_like = seed_host if seed_host.device == dst.device else dst.new_zeros((), dtype=torch.int64)
+                    self.prepare(self.landing_add, dst, src_like, scale, offset, seed_like)
             lanes.side.run(_land_steps, additions, ring, lanes.is_cuda, self.landing_add)
         # the side lane's copies read the host source (the window rows, or the masters)
         lanes.side.record(self.source_read)
