@@ -52,6 +52,59 @@ def test_the_interim_statistics_set_the_host_second_moment_to_the_single_step_on
     torch.testing.assert_close(host_v.mean(), torch.tensor(0.5 / (1 - 0.75)))
 
 
+def test_the_warm_up_record_keeps_its_share_of_the_second_moment() -> None:
+    """AdamW's second moment at step 20 after a warm-up of 12 steps: the warm-up's (per host column) decayed over the
+    8 steps since, and the single-step mean square of the statistics for the rest."""
+    warm_col = torch.tensor([3.0, 100.0, 5.0, 7.0])  # column 1 is on the device: not part of the host mean
+    entry = _entry(
+        interim_row=torch.full((3,), 0.5),
+        interim_decay=torch.tensor(0.75),
+        interim_warm_col=warm_col,
+        interim_warm_steps=torch.tensor(12.0),
+    )
+    state = adamw_state(entry, BETAS)
+    expected = BETAS[1] ** 8 * 5.0 + (1 - BETAS[1] ** 8) * 0.5 / (1 - 0.75)
+    torch.testing.assert_close(state["exp_avg_sq"][:, [0, 2, 3]].double().mean(), torch.tensor(expected).double())
+    no_record = adamw_state({**entry, "interim_warm_steps": torch.tensor(0.0)}, BETAS)
+    torch.testing.assert_close(
+        no_record["exp_avg_sq"][:, [0, 2, 3]].mean(),
+        adamw_state({**entry, "interim_warm_col": None}, BETAS)["exp_avg_sq"][:, [0, 2, 3]].mean(),
+    )
+
+
+@pytest.mark.parametrize("beta2", [0.999, 0.95])
+def test_the_warm_up_record_is_adamws_second_moment_at_the_end_of_the_warm_up(beta2: float) -> None:
+    """After the warm-up (plain AdamW on every column), each matrix's record is AdamW's ``exp_avg_sq`` averaged over
+    the rows, per column, to float rounding (with the exact host state the two runs take the same steps); it holds
+    still after the warm-up."""
+    batches = _data(0, 8)
+    adamw_model = _model()
+    adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-2, betas=(0.9, beta2), weight_decay=0.0)
+    _train(adamw_model, adamw, batches[:6])
+    model = _model()
+    with ZenFlowAdamW(
+        model.parameters(),
+        lr=1e-2,
+        betas=(0.9, beta2),
+        weight_decay=0.0,
+        topk_ratio=0.25,
+        full_warm_up_rounds=6,
+        host_state="fp32",
+    ) as zenflow:
+        _train(model, zenflow, batches[:6])
+        zenflow.flush()
+        at_warm_up_end = zenflow.engine.state_dict()["params"]
+        _train(model, zenflow, batches[6:])
+        zenflow.flush()
+        later = zenflow.engine.state_dict()["params"]
+    for position in (0, 2):  # the matrices
+        entry = at_warm_up_end[f"group0.param{position}"]
+        expected = adamw.state_dict()["state"][position]["exp_avg_sq"].mean(0)
+        torch.testing.assert_close(entry["interim_warm_col"], expected, rtol=1e-5, atol=0)
+        assert float(entry["interim_warm_steps"]) == 6.0
+        assert torch.equal(later[f"group0.param{position}"]["interim_warm_col"], entry["interim_warm_col"])
+
+
 def test_moments_that_overflowed_are_exported_and_restored_without_an_error() -> None:
     """An infinite second moment (an overflow the run went on with): the single-step scale is left out, and the
     engine's moments still come back bitwise."""

@@ -185,13 +185,13 @@ def landing_buffer_bytes(matrices: Sequence[MatrixShape], host_format: HostForma
 
 def interim_bytes(matrices: Sequence[MatrixShape], config: ZenFlowConfig) -> int:
     """The interim moves' statistics: per matrix with host columns its row and column EMAs, their scales, the host
-    mask and two scalars (fp32), and one shared scalar."""
+    mask, the warm-up's column record and three scalars (fp32), and one shared scalar."""
     total = 4
     for matrix in matrices:
         if num_selected_columns(matrix.cols, config.topk_ratio) == matrix.cols:
             continue
         whole_rows = matrix.whole_rows if matrix.whole_rows is not None else matrix.rows
-        total += 4 * (2 * whole_rows + 4 * matrix.cols + 2)
+        total += 4 * (2 * whole_rows + 5 * matrix.cols + 3)
     return total
 
 

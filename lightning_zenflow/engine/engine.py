@@ -122,11 +122,15 @@ class ZenFlowEngine(EngineLifecycle):
                 counts = [state.step_count for state in states if state.slot.param.grad is not None]
                 self.lanes.side.run(count_updates, counts, found_inf)
             self.window.count(states, self.schedule.slot, plan.first_in_window, found_inf)
-        if self.interim is not None and not plan.warm_up:
+        if self.interim is not None:
             # before the accumulation: the next forward waits for these weights, not for the accumulation's reads
             with torch.profiler.record_function("zenflow.interim"):
-                self.interim.step(updater.selected, hparams, self.schedule.interval, found_inf, plan.first_in_window)
-                updater.weights_written()
+                if plan.warm_up:
+                    self.interim.warm_up_step(updater.selected, hparams, found_inf)  # reads, moves nothing
+                else:
+                    interval, first = self.schedule.interval, plan.first_in_window
+                    self.interim.step(updater.selected, hparams, interval, found_inf, first)
+                    updater.weights_written()
         with torch.profiler.record_function("zenflow.accumulate"):
             stalled_before = self._accumulation_stall()
             self.accumulation.add(

@@ -11,8 +11,10 @@ large, for about ``1 / (1 - beta2)`` steps.
 :func:`adamw_state` states everything at ``step = t`` and rescales the host columns' moments to that count, so that
 AdamW's bias-corrected estimates are the ones the host side had: ``m * (1 - beta1 ** t) / (1 - beta1 ** n)``, and the
 same with ``beta2`` for ``v``. A window's mean has a smaller mean square than the single-step gradients AdamW sees
-(its noise is averaged over the window); where the interim moves' statistics measured the single-step mean square of
-the host columns (one gradient per window, ``engine/interim.py``), the host ``v`` is scaled, per matrix, to it.
+(its noise is averaged over the window), and the warm-up's large first gradients weigh in AdamW's ``v`` for about
+``1 / (1 - beta2)`` steps. Where the interim moves' statistics measured the host columns' single-step mean square (one
+gradient per window) and the warm-up's second moment per column (``engine/interim.py``), the host ``v`` is scaled,
+per matrix, to the mean AdamW's would have from the two.
 The device columns and 1-D parameters are exported as they are. docs/checkpoints.md has the measurements.
 
 The same state is ZenFlow's own checkpoint, which must resume bitwise: the engine's part of it keeps, per matrix, the
@@ -118,11 +120,10 @@ def _host_scales(entry: Mapping[str, object], betas: tuple[float, float]) -> tup
         return None  # no host columns, or they count every step (synchronous offload: AdamW's own numbers)
     beta1, beta2 = betas
     exp_avg_sq = torch.as_tensor(entry["exp_avg_sq"])
-    host_v = exp_avg_sq.reshape(exp_avg_sq.shape[0], -1)[:, _host_mask(entry)]
-    return (
-        (1.0 - beta1**step) / (1.0 - beta1**host_step),
-        _host_v_scale(entry, host_v, beta2, host_step) * (1.0 - beta2**step) / (1.0 - beta2**host_step),
-    )
+    host = _host_mask(entry)
+    host_v = exp_avg_sq.reshape(exp_avg_sq.shape[0], -1)[:, host]
+    counts_v = (1.0 - beta2**step) / (1.0 - beta2**host_step)
+    return (1.0 - beta1**step) / (1.0 - beta1**host_step), _host_v_factor(entry, host, host_v, beta2, step) or counts_v
 
 
 def _scaled(moment: torch.Tensor, host: torch.Tensor, scale: float, divide: float | None = None) -> torch.Tensor:
@@ -135,16 +136,32 @@ def _scaled(moment: torch.Tensor, host: torch.Tensor, scale: float, divide: floa
     return result.view_as(moment)
 
 
-def _host_v_scale(entry: Mapping[str, object], host_v: torch.Tensor, beta2: float, host_step: int) -> float:
-    """The single-step mean square of the host columns over the window means' (their bias-corrected ``v``), from the
-    interim moves' statistics; 1 where there are none."""
+def _host_v_factor(
+    entry: Mapping[str, object], host: torch.Tensor, host_v: torch.Tensor, beta2: float, step: int
+) -> float | None:
+    """The factor that gives the host columns' ``exp_avg_sq`` the mean AdamW's would have at ``step``, from the interim
+    moves' statistics (None where there are none, or they hold nothing usable: then the counts alone restate it).
+
+    AdamW's second moment after ``step`` steps, of which the first ``W`` were the warm-up, is
+    ``beta2 ** (step - W) * v_W + (1 - beta2 ** (step - W)) * a`` where ``v_W`` is the warm-up's (recorded per column
+    during the warm-up, ``interim_warm_col``) and ``a`` the single-step mean square since (the row statistics'
+    bias-corrected mean). The host's own ``exp_avg_sq`` took one window mean per window instead (a smaller mean
+    square, fewer decays): its mean is scaled to that value.
+    """
     row, decay = entry.get("interim_row"), entry.get("interim_decay")
     if not isinstance(row, torch.Tensor) or not isinstance(decay, torch.Tensor):
-        return 1.0
+        return None
     correction = 1.0 - float(decay)
-    window_means = float(host_v.double().mean()) / (1.0 - beta2**host_step)
-    if correction <= 0.0 or not (0.0 < window_means < math.inf):
-        return 1.0
-    scale = float(row.double().mean()) / correction / window_means
+    held = float(host_v.double().mean())
+    if correction <= 0.0 or not (0.0 < held < math.inf):
+        return None
+    late = float(row.double().mean()) / correction
+    warm_col, warm_steps = entry.get("interim_warm_col"), entry.get("interim_warm_steps")
+    warm, since_warm = 0.0, step
+    if isinstance(warm_col, torch.Tensor) and isinstance(warm_steps, torch.Tensor) and float(warm_steps) > 0:
+        warm = float(warm_col.double()[host].mean())
+        since_warm = max(0, step - int(warm_steps))
+    target = beta2**since_warm * warm + (1.0 - beta2**since_warm) * late
+    factor = target / held
     # statistics that hold nothing usable (no gradient yet, an overflow) leave the moments as the counts state them
-    return scale if math.isfinite(scale) and scale > 0.0 else 1.0
+    return factor if math.isfinite(factor) and factor > 0.0 else None

@@ -35,7 +35,7 @@ from lightning_zenflow.engine.lanes import Lanes
 from lightning_zenflow.engine.layout import GroupLayout
 from lightning_zenflow.engine.ranks import Ranks
 
-_KEYS = ("interim_row", "interim_col", "interim_decay", "interim_moves")
+_KEYS = ("interim_row", "interim_col", "interim_decay", "interim_moves", "interim_warm_col", "interim_warm_steps")
 MOVED_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes the moves write: fp32 as is, bf16 with stochastic rounding."""
 _SEED_STRIDE = 40503
@@ -53,6 +53,12 @@ class MatrixStatistics:
     """fp32 scalar: the product of the EMA's decays so far (1: no statistics yet); bias correction ``1 - decay``."""
     moves: torch.Tensor
     """fp32 scalar: the moves made so far (seeds bf16's stochastic rounding)."""
+    warm_col: torch.Tensor
+    """``[cols]`` fp32: the warm-up's second moment per column, AdamW's ``exp_avg_sq`` at the end of the warm-up
+    averaged over the rows (an EMA of the mean squared gradient with ``beta2`` per step, from 0, not bias-corrected).
+    Nothing moves by it: the export restates the host columns' ``exp_avg_sq`` with it (``engine/export.py``)."""
+    warm_steps: torch.Tensor
+    """fp32 scalar: the warm-up steps the EMA took (a skipped step takes none)."""
     salt: int
     """From the matrix's name: two matrices never draw the same random bits."""
     row_offset: int = 0
@@ -100,6 +106,8 @@ class InterimMoves:
                 col=torch.zeros(slot.cols, dtype=torch.float32, device=device),
                 decay=torch.ones((), dtype=torch.float32, device=device),
                 moves=torch.zeros((), dtype=torch.float32, device=device),
+                warm_col=torch.zeros(slot.cols, dtype=torch.float32, device=device),
+                warm_steps=torch.zeros((), dtype=torch.float32, device=device),
                 salt=zlib.crc32(slot.name.encode()) & 0xFFFF,
                 row_offset=row_offset,
             )
@@ -141,6 +149,35 @@ class InterimMoves:
             self.lanes.side.run(_take_sums, measured, sums, keep)
         self.lanes.side.run(_moves, self.kernels, work, keep)
 
+    def warm_up_step(
+        self, groups: Sequence[Sequence[SelectedState]], hparams: Sequence[HyperParams], found_inf: torch.Tensor | None
+    ) -> None:
+        """A warm-up step (plain AdamW on every column): record each matrix's squared gradient per column into
+        ``warm_col`` (one pass over the gradient on the side lane, and under FSDP2 one all-reduce of the column sums).
+        The moves use none of it; the warm-up is ``full_warm_up_rounds`` steps, so the passes are a fixed cost."""
+        work = []
+        for group_states, hp in zip(groups, hparams):
+            for state in group_states:
+                grad = state.slot.param.grad
+                if grad is None or state.k == state.slot.cols:
+                    continue
+                self.lanes.keep_for(grad, self.lanes.side)
+                work.append((state, grad, self._stats_of(state), hp.beta2))
+        if not work:
+            return
+        keep = self._keep_all if found_inf is None else 1.0 - found_inf
+        for state, grad, stats, _beta in work:
+            kind = (grad.dtype, True, torch.get_num_threads())  # the statistics' kernel, on every column
+            if self.kernels.mode != "eager" and kind not in self._prepared:
+                self._prepared.add(kind)
+                ones = torch.ones_like(stats.col)
+                self.kernels.prepare(self.kernels.row_col_sums, grad.view(state.slot.rows, -1), ones)
+        sums: dict[str, torch.Tensor] = {}
+        self.lanes.side.run(_warm_sums, self.kernels, work, sums)
+        if self.ranks.rows_local and self.ranks.spans:
+            self.lanes.collective(self.lanes.side, _sum_over_shards, self.ranks, sums)
+        self.lanes.side.run(_take_warm_sums, work, sums, keep)
+
     def _prepare_kernels(self, work: list, measured: list, keep: torch.Tensor) -> None:
         """Build, on this (the training) thread, the kernels the lane will run for ``work`` (``engine/compiled.py``):
         arguments of the lane's dtypes and ranks (the sizes do not matter to a build)."""
@@ -180,7 +217,7 @@ class InterimMoves:
         total = self._keep_all.nbytes
         for stats in self._stats.values():
             tensors = (stats.row, stats.col, stats.decay, stats.moves, stats.host_mask, stats.row_scale)
-            tensors += (stats.col_scale, stats.move_mask)
+            tensors += (stats.col_scale, stats.move_mask, stats.warm_col, stats.warm_steps)
             total += sum(t.nbytes for t in tensors if t is not None)
         return total
 
@@ -189,7 +226,7 @@ class InterimMoves:
         stats = self._stats.get(name)
         if stats is None:
             return {}
-        values = (stats.row, stats.col, stats.decay, stats.moves)
+        values = (stats.row, stats.col, stats.decay, stats.moves, stats.warm_col, stats.warm_steps)
         return {key: value.detach().cpu().clone() for key, value in zip(_KEYS, values)}
 
     def load(self, entry: Mapping[str, object], state: SelectedState) -> None:
@@ -199,8 +236,12 @@ class InterimMoves:
             self._stats.pop(state.slot.name, None)
             return
         stats = self._stats_of(state)
-        for key, value in zip(_KEYS, (stats.row, stats.col, stats.decay, stats.moves)):
-            value.copy_(entry[key])
+        values = (stats.row, stats.col, stats.decay, stats.moves, stats.warm_col, stats.warm_steps)
+        for key, value in zip(_KEYS, values):
+            if key in entry:  # a state saved before the warm-up record: none (the export restates without it)
+                value.copy_(entry[key])
+            else:
+                value.zero_()
         stats.mask_of = None  # the scales are derived again at the next move
 
     def forget(self) -> None:
@@ -274,6 +315,31 @@ def _local_sums(kernels: Kernels, measured: list, sums: dict[str, torch.Tensor])
                 row_sums = whole
             parts += [row_sums, col_sums]
         sums["flat"] = torch.cat(parts)
+
+
+def _warm_sums(kernels: Kernels, work: list, sums: dict[str, torch.Tensor]) -> None:
+    """Lane work: this rank's sums of squares of every column of every matrix of a warm-up step, in one vector."""
+    with torch.no_grad():
+        every_column = [torch.ones_like(stats.col) for _state, _grad, stats, _beta in work]
+        parts = [
+            kernels.row_col_sums(grad.view(state.slot.rows, -1), ones)[1]
+            for (state, grad, _stats, _beta), ones in zip(work, every_column)
+        ]
+        sums["flat"] = torch.cat(parts)
+
+
+def _take_warm_sums(work: list, sums: dict[str, torch.Tensor], keep: torch.Tensor) -> None:
+    """Lane work: the warm record's EMA step from the summed column sums (the whole matrix's, on every rank)."""
+    flat = sums.pop("flat")
+    offset = 0
+    with torch.no_grad():
+        for _state, _grad, stats, beta in work:
+            cols = stats.warm_col.numel()
+            mean_square = flat[offset : offset + cols] / stats.row.numel()
+            offset += cols
+            kept = keep > 0
+            stats.warm_col.copy_(torch.where(kept, stats.warm_col * beta + mean_square * (1.0 - beta), stats.warm_col))
+            stats.warm_steps.add_(kept.float())
 
 
 def _sum_over_shards(ranks: Ranks, sums: dict[str, torch.Tensor]) -> None:
