@@ -9,6 +9,7 @@ tests (``tests/test_llm_distributed.py``), run by every rank (``tests/rank_zygot
 from __future__ import annotations
 
 import datetime
+import os
 import pathlib
 import random
 from typing import Any
@@ -229,4 +230,104 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
         "weights": full_weights(module.model),  # FSDP2: a collective, every rank gathers
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+    return result
+
+
+# --------------------------------------------------------------------- sharded loading and export (FSDP2 ranks)
+
+LOADING_LLAMA = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
+"""A Llama of 42.7 M parameters (171 MB in float32, its largest tensor the tied 8192 x 512 embeddings, 16.8 MB): large
+enough that a rank's share of it stands well above the noise of a process's resident memory."""
+
+
+def save_random_llama(folder: pathlib.Path, max_shard_size: str, **sizes: int) -> pathlib.Path:
+    """A random Llama of ``sizes`` (``LlamaConfig`` fields; tied embeddings) saved in ``folder`` in safetensors files
+    of at most ``max_shard_size``, with the test tokenizer."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=VOCAB["<pad>"],
+        eos_token_id=VOCAB["<eos>"],
+        bos_token_id=None,
+        **sizes,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size=max_shard_size)
+    save_tokenizer(folder, CHAT_TEMPLATE)
+    return folder
+
+
+def peak_kib() -> int:
+    """This process's peak resident memory (``VmHWM``), in KiB."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Set ``VmHWM`` to the current resident memory (Linux: writing 5 to ``/proc/self/clear_refs``)."""
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+
+
+def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
+    """On every rank (``tests/rank_zygote.py``): build ``options["model_dir"]``'s model as ``CausalLMFineTune`` does
+    (parameters on meta, buffers on the host), shard it over all ranks with FSDP2 and read each rank's rows
+    (``load_sharded``), for every dtype of ``options["dtypes"]``; then export each with ``write_sharded`` into
+    ``out/export-<dtype>-<limit>`` for every size limit of ``options["export_limits"]``.
+
+    Writes (and returns) ``out/rank{r}.pt``: per dtype, the weights gathered whole (on every rank), the buffers, whether
+    the embeddings are one parameter, and this rank's peak resident memory (``VmHWM``, KiB) after the model was built
+    on meta and after it was loaded (reset to the resident memory before the build)."""
+    import torch.distributed as dist
+    import transformers
+    from ddp_script import full_weights
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zenflow.llm.sharded_export import write_sharded
+    from lightning_zenflow.llm.sharded_load import structure
+    from lightning_zenflow.llm.sharding import load_sharded
+
+    rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+        config = transformers.AutoConfig.from_pretrained(options["model_dir"])
+        result: dict[str, Any] = {"rank": rank, "world": world, "loads": {}}
+        for dtype_name in options["dtypes"]:
+            dtype = getattr(torch, dtype_name)
+            dist.barrier()  # each rank's peak is its own: the ranks start together, no rank still freeing
+            reset_peak()
+            before_kib = peak_kib()
+            model = structure(config, dtype)
+            meta_kib = peak_kib()
+            load_sharded(model, options["model_dir"], mesh, torch.device("cpu"))
+            loaded_kib = peak_kib()
+            output = model.get_output_embeddings().weight
+            result["loads"][dtype_name] = {
+                "before_kib": before_kib,
+                "meta_kib": meta_kib,
+                "loaded_kib": loaded_kib,
+                "tied": output is model.get_input_embeddings().weight,
+                "sharded": type(output).__name__ == "DTensor",
+                "weights": full_weights(model) if options.get("gather", True) else None,
+                "dtypes": {name: param.dtype for name, param in model.named_parameters()},
+                "buffers": {name: buffer.clone() for name, buffer in model.named_buffers()},
+            }
+            for limit in options.get("export_limits", []):
+                write_sharded(model, out / f"export-{dtype_name}-{limit}", limit, rank == 0)
+                dist.barrier()  # rank 0 has written the folder
+            del model
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, out / f"rank{rank}.pt")
     return result

@@ -12,7 +12,9 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MeanMetric
 
 from lightning_zenflow.llm.data import LLM_INSTALL_HINT, load_tokenizer, unloadable
-from lightning_zenflow.llm.sharding import shard_blocks, whole_model
+from lightning_zenflow.llm.sharded_export import parse_size, write_sharded
+from lightning_zenflow.llm.sharded_load import structure
+from lightning_zenflow.llm.sharding import is_sharded, load_sharded, shard_blocks, shard_mesh, whole_model
 from lightning_zenflow.llm.sources import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,8 +57,9 @@ class CausalLMFineTune(LightningModule):
         export_on_checkpoint: bool = False,
         final_eval: bool = True,
         load_weights: str = "auto",
+        export_max_shard_size: int | str = "5GB",
     ) -> None:
-        """Load the model (or, with ``load_weights="on_device"``, its structure: the weights come at setup).
+        """Build the model's structure (the weights come at setup), or with ``load_weights="now"`` load it.
 
         Args:
             model_path: where the model comes from: a local folder with its config and weights, a ``.gguf`` file
@@ -66,8 +69,11 @@ class CausalLMFineTune(LightningModule):
             lr: peak learning rate.
             weight_decay: AdamW's decay of the matrices (``ndim >= 2``: linear layers and embeddings); vectors get none.
             warmup_steps: optimizer steps of linear warm-up, then a cosine decay to 10 % of ``lr`` at the end of fit.
-            export_dir: where to save the fine-tuned model and its tokenizer after fit (``save_pretrained``).
-            sample_prompt: after export, generate ``sample_tokens`` greedily from this prompt and print them.
+            export_dir: where to save the fine-tuned model and its tokenizer after fit (``save_pretrained``; under
+                ``zenflow_fsdp`` written a tensor at a time, no rank holding the whole model: docs/llm.md, Export).
+            sample_prompt: after export, generate ``sample_tokens`` greedily from this prompt and print them. Under
+                ``zenflow_fsdp`` this gathers the whole model onto rank 0's host (the only thing that does): leave it
+                unset for a model that does not fit there.
             sample_tokens: how many tokens the sample generates.
             export_tokenizer_path: the tokenizer's source for the export and the sample; ``None`` takes the datamodule's
                 tokenizer, else ``model_path``'s.
@@ -82,12 +88,18 @@ class CausalLMFineTune(LightningModule):
             final_eval: after fit, measure the held-out loss of the final weights on the validation's first batches
                 (``limit_val_batches`` of them) and print it: a validation inside fit runs before the last host update
                 lands.
-            load_weights: when the weights are read. ``"now"``: here, into host memory (the model then moves to the
-                device at setup: a whole copy of it on the host at the peak). ``"on_device"``: the model is built on
-                the meta device here (no memory) and its weights are read at setup (``configure_model``) straight
-                onto the training device, file by file: the host holds no copy of the model, which is what lets a
-                model whose optimizer state fills the host's memory load at all. ``"auto"``: ``"on_device"`` where
-                CUDA is available, else ``"now"``.
+            load_weights: when and how the weights are read. ``"now"``: here, whole, into host memory (the model
+                then moves to the device at setup: a whole copy of it on the host at the peak; under ``zenflow_fsdp``
+                every rank reads the whole model and then shards it: the way for folders the sharded reader refuses).
+                ``"on_device"`` and ``"auto"`` (the same): the model's structure is built here with its parameters on
+                the meta device (no memory) and the weights are read at setup (``configure_model``). Under
+                ``zenflow_fsdp`` the model is sharded first and each rank reads only its own rows of the safetensors
+                files onto its device: a rank's peak is its share of the weights plus one tensor's rows
+                (``sharded_load.py``). Under the other strategies they are read whole, file by file, straight onto the
+                training device: the host holds no copy of the model.
+            export_max_shard_size: the largest safetensors file of the export (``save_pretrained``'s
+                ``max_shard_size``; bytes or a string such as ``"5GB"``); a larger model is split into several files
+                with a ``model.safetensors.index.json``.
         """
         super().__init__()
         if dtype not in DTYPES:
@@ -106,14 +118,13 @@ class CausalLMFineTune(LightningModule):
             raise ValueError(
                 f"load_weights must be one of {list(LOAD_WEIGHTS)}, got {load_weights!r} (--model.load_weights)."
             )
+        self.export_max_shard_bytes = parse_size(export_max_shard_size)
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError as error:
             raise ImportError(f"CausalLMFineTune needs `transformers`: {LLM_INSTALL_HINT}") from error
         self.save_hyperparameters()
         self.model_folder = resolve_model(model_path)
-        if load_weights == "auto":
-            load_weights = "on_device" if torch.cuda.is_available() else "now"
         try:
             if load_weights == "now":
                 self.model = self._prepared(
@@ -122,8 +133,8 @@ class CausalLMFineTune(LightningModule):
             else:
                 _check_weights_exist(self.model_folder)
                 config = AutoConfig.from_pretrained(self.model_folder)
-                with torch.device("meta"):
-                    self.model = self._prepared(AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype]))
+                # parameters on meta (no memory), buffers computed on the host: the sharded reader keeps them
+                self.model = self._prepared(structure(config, DTYPES[dtype]))
         except OSError as error:  # a Hub name that cannot be reached, a folder without weights
             raise ValueError(unloadable(model_path, error, "--model.model_path")) from error
         self.val_loss_mean = MeanMetric()
@@ -170,7 +181,7 @@ class CausalLMFineTune(LightningModule):
         return model
 
     def load_weights_onto(self, device: torch.device) -> None:
-        """``load_weights="on_device"``: read the weights onto ``device``, file by file (nothing if they are read)."""
+        """Read the deferred weights whole onto ``device``, file by file (nothing if they are read)."""
         if not any(param.is_meta for param in self.model.parameters()):
             return
         from transformers import AutoModelForCausalLM
@@ -186,14 +197,35 @@ class CausalLMFineTune(LightningModule):
             self.load_weights_onto(torch.device("cpu"))
 
     def configure_model(self) -> None:
-        """Read the weights where ``load_weights="on_device"`` deferred them, onto the training device. Under
-        ``zenflow_fsdp``: shard the model with FSDP2, ``fully_shard`` on every decoder block and then on the whole
-        model (tied embeddings stay one parameter); nothing under the other strategies."""
+        """Read the deferred weights onto the training device.
+
+        Under ``zenflow_fsdp`` the model is sharded with FSDP2 (``fully_shard`` on every decoder block and then on the
+        whole model; tied embeddings stay one parameter), materialised on the device and each rank reads its own rows
+        of the safetensors files (:func:`~lightning_zenflow.llm.sharding.load_sharded`); a model read whole at
+        construction (``load_weights="now"``) is sharded as it is. A resumed fit reads them too, each rank its rows;
+        the checkpoint's weights then replace them. Under the other strategies the weights are read whole."""
         from lightning_zenflow.strategies.fsdp import ZenFlowFSDPStrategy
 
-        self.load_weights_onto(self.trainer.strategy.root_device)
-        if isinstance(self.trainer.strategy, ZenFlowFSDPStrategy):
-            shard_blocks(self.model, self.device_mesh["data_parallel"])
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, ZenFlowFSDPStrategy):
+            self.load_weights_onto(strategy.root_device)
+        elif is_sharded(self.model):  # Lightning calls configure_model again for every fit, validate, ...
+            return
+        elif any(param.is_meta for param in self.model.parameters()):
+            load_sharded(self.model, self._weights_folder(), shard_mesh(self), strategy.root_device)
+        else:
+            shard_blocks(self.model, shard_mesh(self))
+
+    def _weights_folder(self) -> str:
+        """The local folder with the safetensors files: ``model_folder``, or a Hub name's snapshot of them."""
+        if Path(self.model_folder).is_dir():
+            return self.model_folder
+        from huggingface_hub import snapshot_download
+
+        try:  # each rank: the Hub client's cache lets one download and the others wait for it
+            return snapshot_download(self.model_folder, allow_patterns=["*.safetensors", "*.json"])
+        except Exception as error:
+            raise ValueError(unloadable(self.hparams.model_path, error, "--model.model_path")) from error
 
     def configure_optimizers(self) -> Any:
         trainable = [param for param in self.model.parameters() if param.requires_grad]  # tied weights appear once
@@ -215,16 +247,19 @@ class CausalLMFineTune(LightningModule):
             self._final_eval()
         if self.hparams.export_dir is None and self.hparams.sample_prompt is None:
             return
-        model = whole_model(self.model, self.trainer.is_global_zero)  # FSDP2: gathered to rank 0, every rank takes part
-        if self.trainer.is_global_zero:
-            tokenizer = load_tokenizer(self._tokenizer_path())
-            if self.hparams.export_dir is not None:
-                export(model, tokenizer, self.hparams.export_dir)
-            if self.hparams.sample_prompt is not None:
+        sharded = is_sharded(self.model)
+        if self.hparams.export_dir is not None:
+            self._export(self.hparams.export_dir)
+        if self.hparams.sample_prompt is not None:
+            # FSDP2: the whole model gathered to rank 0's host, every rank takes part (the sample needs every weight)
+            model = whole_model(self.model, self.trainer.is_global_zero) if sharded else self.model
+            if self.trainer.is_global_zero:
+                tokenizer = load_tokenizer(self._tokenizer_path())
                 self.last_sample = generate_sample(
                     model, tokenizer, self.hparams.sample_prompt, self.hparams.sample_tokens
                 )
                 print(f"sample: {self.hparams.sample_prompt!r} -> {self.last_sample!r}")
+            del model
         self.trainer.strategy.barrier("lightning_zenflow.llm.export")  # the folder is whole when fit returns anywhere
 
     @torch.no_grad()
@@ -260,13 +295,34 @@ class CausalLMFineTune(LightningModule):
             )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # reads the checkpoint's own copy of the weights: exporting changes nothing in the run
-        if not self.hparams.export_on_checkpoint or not self.trainer.is_global_zero:
+        # exporting reads, it changes nothing in the run
+        if not self.hparams.export_on_checkpoint:
             return
-        prefix = "model."
-        state = {key[len(prefix) :]: value for key, value in checkpoint["state_dict"].items() if key.startswith(prefix)}
-        folder = Path(self.hparams.export_dir) / f"step-{self.trainer.global_step}"
-        export(self.model, load_tokenizer(self._tokenizer_path()), str(folder), state_dict=state)
+        folder = str(Path(self.hparams.export_dir) / f"step-{self.trainer.global_step}")
+        if is_sharded(self.model):  # every rank is here (saving is a collective): the weights the checkpoint took
+            self._export(folder)
+        elif self.trainer.is_global_zero:  # the checkpoint's own copy of the weights
+            prefix = "model."
+            items = checkpoint["state_dict"].items()
+            state = {key[len(prefix) :]: value for key, value in items if key.startswith(prefix)}
+            export(
+                self.model,
+                load_tokenizer(self._tokenizer_path()),
+                folder,
+                state_dict=state,
+                max_shard_size=self.export_max_shard_bytes,
+            )
+
+    def _export(self, folder: str) -> None:
+        """The Hugging Face folder of the current weights. Under FSDP2 a collective (every rank calls it): written a
+        tensor at a time by rank 0, none holding the whole model (``sharded_export.py``); else rank 0 writes it."""
+        if is_sharded(self.model):
+            write_sharded(self.model, folder, self.export_max_shard_bytes, self.trainer.is_global_zero)
+            if self.trainer.is_global_zero:
+                load_tokenizer(self._tokenizer_path()).save_pretrained(folder)
+        elif self.trainer.is_global_zero:
+            tokenizer = load_tokenizer(self._tokenizer_path())
+            export(self.model, tokenizer, folder, max_shard_size=self.export_max_shard_bytes)
 
     def _tokenizer_path(self) -> str:
         if self.hparams.export_tokenizer_path is not None:
@@ -287,9 +343,15 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Any:
     return factor
 
 
-def export(model: Any, tokenizer: Any, export_dir: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """Save ``model`` (or ``state_dict`` in its architecture) and ``tokenizer`` with ``save_pretrained``; tied input and
-    output embeddings stay tied."""
+def export(
+    model: Any,
+    tokenizer: Any,
+    export_dir: str,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    max_shard_size: int | str = "5GB",
+) -> None:
+    """Save ``model`` (or ``state_dict`` in its architecture) and ``tokenizer`` with ``save_pretrained``, in files of
+    at most ``max_shard_size``; tied input and output embeddings stay tied."""
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     if tied and not model.config.tie_word_embeddings:
@@ -297,7 +359,7 @@ def export(model: Any, tokenizer: Any, export_dir: str, state_dict: dict[str, to
             "the embeddings share one tensor but config.tie_word_embeddings is False; reload would split"
         )
     Path(export_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(export_dir, state_dict=state_dict)
+    model.save_pretrained(export_dir, state_dict=state_dict, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(export_dir)
 
 

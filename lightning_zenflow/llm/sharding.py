@@ -1,6 +1,7 @@
 """FSDP2 for :class:`~lightning_zenflow.llm.CausalLMFineTune` under ``zenflow_fsdp``: the Hugging Face model is
-sharded by ``fully_shard`` on every decoder block, then on the whole model (the recipe of docs/distributed.md), and
-gathered back whole on rank 0 for the export and the sample.
+sharded by ``fully_shard`` on every decoder block, then on the whole model (the recipe of docs/distributed.md), over
+the mesh :func:`shard_mesh` names; :func:`load_sharded` builds, shards and reads it with each rank reading its own rows
+(``sharded_load.py``); the sample after fit gathers it whole on rank 0 (:func:`whole_model`).
 
 The blocks are the modules the model names in ``_no_split_modules`` (Hugging Face's own unit of sharding:
 ``LlamaDecoderLayer``, ...). The root's ``fully_shard`` takes every parameter outside them: the embeddings, the final
@@ -13,6 +14,50 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+
+def shard_mesh(module: Any) -> Any:
+    """The device mesh ``fully_shard`` shards the model over: the strategy's ``shard_mesh`` where it has one (a 2-D
+    replicate x shard mesh for HSDP), else the ``"data_parallel"`` dimension of the module's mesh. The one place that
+    chooses it."""
+    strategy_mesh = getattr(module.trainer.strategy, "shard_mesh", None)
+    return strategy_mesh if strategy_mesh is not None else module.device_mesh["data_parallel"]
+
+
+def load_sharded(model: torch.nn.Module, folder: str, mesh: Any, device: torch.device) -> None:
+    """Shard ``model`` (built by :func:`~lightning_zenflow.llm.sharded_load.structure`: parameters on meta, buffers on
+    the host) over ``mesh``, materialise this rank's shards on ``device`` and read its rows from ``folder``.
+
+    Each rank allocates and reads its own rows only; the buffers the files do not hold (rotary tables) get back the
+    values the constructor computed; tied parameters stay one parameter. Raises
+    :class:`~lightning_zenflow.llm.sharded_load.ShardedLoadError` (naming the fix) before anything is allocated for a
+    folder it cannot read (``pytorch_model.bin``) or an architecture whose files name weights otherwise."""
+    from lightning_zenflow.llm.sharded_load import (
+        ShardedLoadError,
+        checkpoint_renames,
+        host_buffers,
+        load_rows,
+        restore_buffers,
+        weight_files,
+    )
+
+    renames = checkpoint_renames(model)
+    if renames:
+        raise ShardedLoadError(
+            f"{type(model).__name__}'s weight files name its weights otherwise than its modules ({renames[0]}, ...): "
+            "the sharded reader and export read and write the modules' names only. Pass --model.load_weights now "
+            "(every rank reads the whole model before it is sharded) or train it under strategy zenflow_ddp."
+        )
+    weight_files(folder)  # a folder it cannot read fails here, before anything is allocated
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    buffers = host_buffers(model)  # to_empty replaces them with uninitialised memory
+    shard_blocks(model, mesh)
+    model.to_empty(device=device)  # this rank's rows of every parameter, uninitialised
+    restore_buffers(model, buffers)
+    if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise RuntimeError("the tied embeddings came apart when the shards were materialised")
+    load_rows(model, folder)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -43,8 +88,9 @@ def shard_blocks(model: torch.nn.Module, mesh: Any) -> None:
 
 
 def whole_model(model: torch.nn.Module, is_global_zero: bool) -> Any:
-    """The model to export and to sample from: ``model`` itself when it is not sharded; under FSDP2 a plain copy
-    with the whole weights on the CPU of rank 0, ``None`` on the other ranks.
+    """The model to sample from: ``model`` itself when it is not sharded; under FSDP2 a plain copy with the whole
+    weights on the CPU of rank 0, ``None`` on the other ranks (rank 0's host holds the whole model: only the sample
+    after fit, ``sample_prompt``, takes this path; the export is written a tensor at a time, ``sharded_export.py``).
 
     Sharded, this is a collective: every rank must call it (each parameter is all-gathered, one at a time, to rank
     0's CPU). Rank 0 then holds the gathered weights and a copy of the model built from its config on the meta
