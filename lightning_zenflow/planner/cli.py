@@ -5,6 +5,8 @@
     lightning-zenflow plan --model configs/models/Qwen2.5-14B.json --device-memory 141GB --host-memory 128GiB \\
         --activation-checkpointing --write-config my_job.yaml
     lightning-zenflow plan --model model.gguf --measure --json
+    lightning-zenflow plan --model configs/models/Qwen2.5-72B.json --devices 8 --nodes 2 --device-memory 80GB \\
+        --host-memory 2TB --activation-checkpointing --batch-size 2      # HSDP across 2 machines
 
 A mistake (a model it cannot read, a size it cannot parse, a knob out of range) is one ``error:`` line naming the
 option and the fix, and exit status 2.
@@ -36,6 +38,7 @@ RATE_OPTIONS = {
     "host_step_gbps": ("host_step_gbps",),
     "host_add_gbps": ("host_add_gbps",),
     "network_gbps": ("network_gbps",),
+    "internode_gbps": ("internode_gbps",),
 }
 
 
@@ -91,7 +94,9 @@ def parser() -> argparse.ArgumentParser:
     machine.add_argument("--device-memory", help="per GPU, e.g. 141GB or 80GiB (default: this machine's GPU)")
     machine.add_argument("--host-memory", help="RAM per machine, e.g. 128GiB (default: this machine's)")
     machine.add_argument("--devices", type=int, default=1, help="GPUs per machine (default 1)")
-    machine.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    machine.add_argument(
+        "--nodes", type=int, default=1, help="machines (default 1); FSDP2 rows are then HSDP: sharded within a machine"
+    )
     machine.add_argument(
         "--measure",
         action="store_true",
@@ -103,8 +108,9 @@ def parser() -> argparse.ArgumentParser:
         ("--device-gbps", "device memory bandwidth of simple kernels, GB/s (default 3000)"),
         ("--device-tflops", "forward and backward's rate, TFLOP/s (default 400)"),
         ("--host-step-gbps", "host memory bandwidth of the host step on all workers, GB/s (default 50)"),
-        ("--host-add-gbps", "host memory bandwidth of host mode's add, GB/s (default 20)"),
+        ("--host-add-gbps", "host memory bandwidth of host mode's add on all training processes, GB/s (default 20)"),
         ("--network-gbps", "between ranks, GB/s (default 50)"),
+        ("--internode-gbps", "out of each machine to the others, GB/s (default 25: one 200 Gb/s NIC)"),
     ):
         machine.add_argument(option, type=_positive, help=help_text)
     work = p.add_argument_group("the job")

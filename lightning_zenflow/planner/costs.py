@@ -4,10 +4,28 @@ time from the cost model of docs/performance.md (section 2, "Step time and the s
 The engine's bytes are ``engine/budget.py``'s (exact: what ``engine.device_bytes()`` and ``engine.host_bytes()``
 count); around them, estimates: the model's weights and gradients in the training dtype, plain AdamW's fp32 state,
 the activations (``planner/activations.py``), FSDP2's gathered blocks, and on the host the system and the training
-processes (:data:`HOST_RESERVE_BYTES`, :data:`PROCESS_BYTES`), the loading peak (a weight file per rank at a time, or
-under FSDP2 the whole model on every device before it is sharded, as ``lightning_zenflow.llm`` loads it) and the
-export's (FSDP2: the whole model gathered to rank 0's host, and a copy of it). Device memory counts weights,
-gradients, optimizer state, buffers and activations together: an upper bound of the peak.
+processes (:data:`HOST_RESERVE_BYTES`, :data:`PROCESS_BYTES`), and the peaks of loading, checkpoints and the
+export. Device memory counts weights, gradients, optimizer state, buffers and activations together: an upper bound of
+the peak.
+
+Loading, checkpoints and export as ``lightning_zenflow.llm`` and the strategies do them:
+
+- one device or data parallel: the weights are read a file at a time onto the device (the host holds one file per
+  rank); a checkpoint merges the engine's state in fp32 on rank 0's host (``checkpoint_format="full"``); the export
+  writes the live model from rank 0;
+- FSDP2 (``zenflow_fsdp``): the model is built on the meta device, sharded, and each rank reads only its own rows,
+  so a rank holds its share of the weights plus about the largest tensor, on the device and on the host
+  (:data:`LOADING_TENSORS`); checkpoints are sharded (each rank writes its own share of the fp32 state, nothing is
+  gathered); the export gathers one tensor at a time to rank 0's host and writes it (:data:`EXPORT_TENSORS`).
+
+Under FSDP2 on several machines the layout is HSDP: FSDP2 shards over the devices of a machine and replicates across
+machines, the engine's host state is sharded within the machine (each machine holds the whole model's), and the
+gradients are all-reduced across machines once per step (``Machine.internode_gbps``).
+
+Two peers are rows of their own where there are several ranks (:func:`peer_row`): FSDP2 with ``CPUOffloadPolicy``
+and DeepSpeed ZeRO-3 with optimizer and parameter offload, with their documented bytes per parameter and their
+step under the same machine rates (the host step of every parameter at every step, the weights and gradients over
+the link at every step).
 """
 
 from __future__ import annotations
@@ -37,6 +55,31 @@ PROCESS_BYTES = 3 * 2**30
 """Host memory per training process and its worker beyond the engine's state (Python, torch, CUDA's context)."""
 DEFAULT_WEIGHT_FILE_BYTES = 5 * 10**9
 """The largest weight file when the model's files are not on this machine (Hugging Face's shards are 5 GB or less)."""
+LOADING_TENSORS = 1
+"""FSDP2's loading holds, beside the rank's share, about this many of the model's largest tensor (the slice being
+read, in the weights' dtype), on the device and on the host of each rank."""
+EXPORT_TENSORS = 2
+"""FSDP2's export holds on rank 0's host this many of the largest tensor: the one gathered and its bytes on their
+way to the file (the export is written a tensor at a time; no rank gathers the model)."""
+CHECKPOINT_BYTES = 12
+"""Bytes per parameter of a checkpoint's merged fp32 state (master and two moments): on rank 0's host for a full
+checkpoint, each rank its share for a sharded one (FSDP2's default)."""
+FSDP_OFFLOAD_HOST_BYTES = 16
+"""FSDP2 ``CPUOffloadPolicy``, host bytes per parameter: the sharded fp32 parameters (bf16 compute through
+``MixedPrecisionPolicy``), their fp32 gradients and AdamW's two fp32 moments (PyTorch's FSDP2 docs: "offloads
+parameters, gradients, and optimizer states to CPU"; background/memory.md)."""
+FSDP_OFFLOAD_STEP_BYTES = 28
+"""Host memory traffic per parameter of its CPU AdamW step, every step: fp32 parameter, m and v read and written,
+the fp32 gradient read (torch's fused AdamW)."""
+ZERO3_HOST_BYTES = 18
+"""DeepSpeed ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on the CPU, host bytes per parameter: fp32
+master, m and v (12), fp32 gradients (4) and the fp16/bf16 parameters (2): the ZeRO-Offload paper (arXiv 2101.06840,
+section 3) and DeepSpeed's own estimator (``estimate_zero3_model_states_mem_needs_all_live`` in
+``deepspeed/runtime/zero/stage3.py``: ``total_params * 18 / num_nodes`` per machine, times a 1.5 safety factor this
+table leaves out, and ``4 * largest_layer_params`` bytes on each GPU)."""
+ZERO3_STEP_BYTES = 30
+"""Host memory traffic per parameter of DeepSpeed's CPU Adam, every step: fp32 master, m and v read and written, the
+fp32 gradient read, the 16-bit parameter written."""
 DEFAULT_INTERVAL = ZenFlowConfig().update_interval
 """The window a row takes at least when ``update_interval`` is not given."""
 MAX_INTERVAL = 256
@@ -52,8 +95,9 @@ PRECISIONS = {
 
 @dataclass(frozen=True)
 class Setting:
-    """A way of training: plain AdamW (fp32 state, no offload) or ZenFlow with some knobs, on one device, data
-    parallel (``"ddp"``) or FSDP2 (``"fsdp2"``)."""
+    """A way of training: plain AdamW (fp32 state, no offload), ZenFlow with some knobs, or a peer's offload
+    (``"fsdp_offload"``: FSDP2's ``CPUOffloadPolicy``; ``"zero3_offload"``: DeepSpeed ZeRO-3 offloading optimizer and
+    parameters), on one device, data parallel (``"ddp"``) or FSDP2 (``"fsdp2"``; HSDP on several machines)."""
 
     name: str
     kind: str
@@ -97,7 +141,7 @@ class Row:
     device: dict[str, int]
     host: dict[str, int]
     device_loading: int
-    """The device's peak while the weights load (FSDP2: the whole model on every device before sharding)."""
+    """The device's peak while the weights load (FSDP2: the rank's share and about the largest tensor)."""
     device_selection: int
     """The device's peak at a selection (after the backward: weights, gradients, the engine's bytes and its
     transient)."""
@@ -106,7 +150,8 @@ class Row:
     device_capacity: int
     host_capacity: int
     host_checkpoint: int = 0
-    """Host bytes a checkpoint adds on the first machine for a moment (the merged fp32 state)."""
+    """Host bytes a checkpoint adds on the first machine for a moment (the merged fp32 state: all of it on rank 0,
+    or under FSDP2 each of the machine's ranks its share)."""
     engine_device: int = 0
     """The engine's device bytes (``engine.device_bytes()``) of the largest rank."""
     engine_host: int = 0
@@ -157,16 +202,59 @@ class Row:
         return "device" if self.device_margin <= self.host_margin else "host"
 
 
+def shard_world(machine: Machine, layout: str) -> int:
+    """The ranks a layout splits a parameter (FSDP2) or the host state (data parallel) across: FSDP2 shards within
+    a machine (HSDP on several machines: replicated across them), data parallel splits the host state across all."""
+    return machine.devices if layout == "fsdp2" else machine.ranks
+
+
+def largest_tensor_bytes(shapes: ModelShapes, weight_bytes: int) -> int:
+    """The largest parameter in the weights' dtype (an embedding or the output layer of a language model)."""
+    return weight_bytes * max(p.numel for p in shapes.params)
+
+
 def evaluate(shapes: ModelShapes, setting: Setting, machine: Machine, work: Workload, activations: int) -> Row:
     """The row of ``setting``: memory and (for every row) the step time."""
-    world, local = machine.ranks, machine.devices
+    if setting.kind in PEERS:
+        return peer_row(shapes, setting, machine, work, activations)
+    world, local = shard_world(machine, setting.layout), machine.devices
     b = work.weight_bytes
     cpu = machine.device_type == "cpu"
+    fsdp = setting.layout == "fsdp2"
     numel = [local_numel(shapes, setting.layout, world, r) for r in range(local)]
     trainable = [local_numel(shapes, setting.layout, world, r, trainable_only=True) for r in range(local)]
     device = {"weights": b * max(numel), "gradients": b * max(trainable), "optimizer": 0, "buffers": 0}
     host = {"engine": 0, "staging": 0, "reserve": HOST_RESERVE_BYTES + PROCESS_BYTES * local}
-    row = Row(
+    row = _empty_row(setting, device, host, machine)
+    if setting.kind == "adamw":
+        # fp32 weights, gradients and moments: bf16-true runs it as bf16-mixed
+        device.update(weights=4 * max(numel), gradients=4 * max(trainable), optimizer=8 * max(trainable))
+    else:
+        _engine_bytes(row, shapes, setting, machine, work)
+    device["activations"] = activations + _gathered(shapes, setting, work)
+    whole_weights = b * shapes.parameters
+    largest = largest_tensor_bytes(shapes, b)
+    if fsdp:
+        # built on meta, sharded, each rank reads its own rows: its share and a tensor's slice at a time
+        row.device_loading = 0 if cpu else b * max(numel) + LOADING_TENSORS * largest
+        on_host = b * max(numel) if cpu else 0  # the CPU stand-in's "device" is the host
+        row.host_loading = local * (on_host + LOADING_TENSORS * largest)
+    else:
+        weight_file = min(shapes.largest_file_bytes or DEFAULT_WEIGHT_FILE_BYTES, whole_weights)
+        # lightning_zenflow.llm reads the weights into host memory without CUDA, file by file onto a GPU
+        row.host_loading = local * (whole_weights if cpu else weight_file)
+    if setting.kind == "zenflow" and work.checkpoints:
+        share = sum(trainable) if fsdp else shapes.parameters  # sharded: each rank its rows; full: all on rank 0
+        row.host_checkpoint = CHECKPOINT_BYTES * share
+    if fsdp and work.export:
+        row.host_export = EXPORT_TENSORS * largest  # a tensor at a time, gathered to rank 0's host
+    _step_time(row, shapes, machine, work)
+    return row
+
+
+def _empty_row(setting: Setting, device: dict, host: dict, machine: Machine) -> Row:
+    cpu = machine.device_type == "cpu"
+    return Row(
         setting,
         device,
         host,
@@ -176,25 +264,59 @@ def evaluate(shapes: ModelShapes, setting: Setting, machine: Machine, work: Work
         host_export=0,
         device_capacity=0 if cpu else machine.device_memory,
         host_capacity=machine.host_memory,
-        setting_devices=local,
+        setting_devices=machine.devices,
     )
-    if setting.kind == "adamw":
-        # fp32 weights, gradients and moments: bf16-true runs it as bf16-mixed
-        device.update(weights=4 * max(numel), gradients=4 * max(trainable), optimizer=8 * max(trainable))
+
+
+PEERS = ("fsdp_offload", "zero3_offload")
+"""The peers' kinds (:func:`peer_row`)."""
+
+
+def peer_row(shapes: ModelShapes, setting: Setting, machine: Machine, work: Workload, activations: int) -> Row:
+    """A peer's offload on this machine, from its documented bytes per parameter (:data:`FSDP_OFFLOAD_HOST_BYTES`,
+    :data:`ZERO3_HOST_BYTES`) and the same rates as ZenFlow's rows.
+
+    - FSDP2 ``CPUOffloadPolicy`` (HSDP on several machines, as ZenFlow's FSDP2 rows): the device holds no sharded
+      state, only what FSDP2 gathers for forward and backward (:func:`_gathered`) and the activations; every
+      parameter's fp32 AdamW runs on the host at every step, after the backward (FSDP2 keeps no state on the device
+      to overlap it with); the fp32 shards go up for the forward's and the backward's all-gathers and the fp32
+      gradients come down, overlapped with forward and backward.
+    - DeepSpeed ZeRO-3 with ``offload_optimizer`` and ``offload_param`` (device "cpu"): sharded over every rank of
+      every machine; the device holds the largest layer's 16-bit parameters and gradients (DeepSpeed's estimator)
+      and the activations; CPU Adam over the rank's partition at every step; 16-bit parameters up twice (forward and
+      backward), 16-bit gradients down; across machines ZeRO-3 all-gathers the weights twice and reduce-scatters the
+      gradients every step.
+    """
+    b = work.weight_bytes
+    local, nodes = machine.devices, machine.nodes
+    params = shapes.parameters
+    largest = largest_tensor_bytes(shapes, b)
+    device = {"weights": 0, "gradients": 0, "optimizer": 0, "buffers": 0}
+    host = {"engine": 0, "staging": 0, "reserve": HOST_RESERVE_BYTES + PROCESS_BYTES * local}
+    row = _empty_row(setting, device, host, machine)
+    if setting.kind == "fsdp_offload":
+        per_machine = params  # sharded within the machine, replicated across machines (HSDP)
+        per_rank = math.ceil(params / local)
+        host["engine"] = FSDP_OFFLOAD_HOST_BYTES * per_machine
+        device["activations"] = activations + _gathered(shapes, Setting("", "", "fsdp2"), work)
+        up, down, step_bytes = 2 * 4 * per_rank, 4 * per_rank, FSDP_OFFLOAD_STEP_BYTES
+        internode = 2 * (nodes - 1) / nodes * 4 * per_machine  # HSDP's all-reduce of the fp32 gradient shards
     else:
-        _engine_bytes(row, shapes, setting, machine, work)
-    device["activations"] = activations + _gathered(shapes, setting, work)
-    whole_weights = b * shapes.parameters
-    weight_file = min(shapes.largest_file_bytes or DEFAULT_WEIGHT_FILE_BYTES, whole_weights)
-    loads_on_host = cpu  # lightning_zenflow.llm reads the weights into host memory without CUDA
-    row.host_loading = local * (whole_weights if loads_on_host else weight_file)
-    if setting.layout == "fsdp2" and not cpu:
-        row.device_loading = whole_weights  # the whole model on every device, then sharded
-    if setting.kind == "zenflow" and work.checkpoints:
-        row.host_checkpoint = 12 * shapes.parameters  # gathered on rank 0 (checkpoint_format="full")
-    if setting.layout == "fsdp2" and work.export:
-        row.host_export = 2 * whole_weights  # gathered to rank 0's host, and a copy of the model given them
-    _step_time(row, shapes, machine, work)
+        per_machine = math.ceil(params / nodes)  # sharded across every rank of every machine
+        per_rank = math.ceil(params / machine.ranks)
+        host["engine"] = ZERO3_HOST_BYTES * per_machine
+        device["buffers"] = 2 * largest  # the largest layer's 16-bit parameters and gradients
+        device["activations"] = activations
+        up, down, step_bytes = 2 * b * per_rank, b * per_rank, ZERO3_STEP_BYTES
+        internode = 3 * (nodes - 1) / nodes * b * params  # two all-gathers and a reduce-scatter, per machine
+    row.device_loading = 0 if machine.device_type == "cpu" else largest  # both load by parts
+    row.host_loading = local * largest
+    t_fb = fwd_bwd_seconds(shapes, machine, work)
+    t_link = max(up / (machine.h2d_gbps * GB), down / (machine.d2h_gbps * GB))
+    t_net = internode / (machine.internode_gbps * GB)
+    t_host = step_bytes * per_rank / (machine.host_step_gbps * GB / local)
+    row.times = {"fwd_bwd": t_fb, "link": t_link, "internode": t_net, "worker": t_host}
+    row.step_s = max(t_fb, t_link, t_net) + t_host  # the copies overlap the compute; the host step does not
     return row
 
 
@@ -204,7 +326,7 @@ def _engine_bytes(row: Row, shapes: ModelShapes, setting: Setting, machine: Mach
     mode = knobs.get("accumulate_on", "auto")
     config = ZenFlowConfig(**knobs)
     decay = (work.weight_decay, not work.l2_decay)
-    world, local, b = machine.ranks, machine.devices, work.weight_bytes
+    world, local, b = shard_world(machine, setting.layout), machine.devices, work.weight_bytes
     device_type = "cuda" if machine.device_type == "cuda" else "cpu"
     per_rank = [engine_shapes(shapes, b, setting.layout, world, r) for r in range(local)]
     if mode == "auto":
@@ -271,17 +393,20 @@ def fwd_bwd_seconds(shapes: ModelShapes, machine: Machine, work: Workload) -> fl
 def _step_time(row: Row, shapes: ModelShapes, machine: Machine, work: Workload) -> None:
     setting, b = row.setting, work.weight_bytes
     cpu = machine.device_type == "cpu"
-    t_fb = fwd_bwd_seconds(shapes, machine, work)
+    world = shard_world(machine, setting.layout)
+    t_compute = fwd_bwd_seconds(shapes, machine, work)
+    t_net = internode_seconds(shapes, machine, 4 if setting.kind == "adamw" else b)
+    t_fb = max(t_compute, t_net)  # the gradients' all-reduce across machines runs beside the backward
     device_rate = machine.device_gbps * GB
     if setting.kind == "adamw":
-        t_opt = 28 * shapes.parameters / (machine.ranks if setting.layout == "fsdp2" else 1) / device_rate
-        row.times = {"fwd_bwd": t_fb, "device": t_opt}
+        t_opt = 28 * shapes.parameters / (world if setting.layout == "fsdp2" else 1) / device_rate
+        row.times = {"fwd_bwd": t_compute, "device": t_opt, "internode": t_net}
         row.step_s = t_fb + t_opt
         return
     config, host_format = row.config, row.host_format
     assert config is not None
     assert host_format is not None
-    matrices, vectors = engine_shapes(shapes, b, setting.layout, machine.ranks, 0)
+    matrices, vectors = engine_shapes(shapes, b, setting.layout, world, 0)
     rho = float(config.topk_ratio)
     local = sum(m.rows * m.cols for m in matrices)
     selected = sum(m.rows * num_selected_columns(m.cols, rho) for m in matrices)
@@ -301,7 +426,7 @@ def _step_time(row: Row, shapes: ModelShapes, machine: Machine, work: Workload) 
     t_down, t_up = down / (machine.d2h_gbps * GB), up / (machine.h2d_gbps * GB)
     shared = (machine.ranks - 1) / machine.ranks * b * local if setting.layout == "ddp" else 0.0
     t_share = shared / (machine.network_gbps * GB)
-    t_add = 0.0 if device_mode else unselected / machine.host_add_rate(b)
+    t_add = 0.0 if device_mode else unselected / machine.host_add_rate(b)  # this rank's share of the machine
 
     measured = machine.device_step_seconds(config.host_state, b, local) if device_mode else None
 
@@ -344,14 +469,24 @@ def _step_time(row: Row, shapes: ModelShapes, machine: Machine, work: Workload) 
     row.interval = int(interval)
     row.step_s, _ = step(row.interval)
     row.times = {
-        "fwd_bwd": t_fb,
+        "fwd_bwd": t_compute,
         "device": device_seconds(row.interval),
         "copy_down": t_down,
         "host_add": t_add,
         "worker": t_worker,
         "upload": t_up,
         "share": t_share,
+        "internode": t_net,
     }
+
+
+def internode_seconds(shapes: ModelShapes, machine: Machine, gradient_bytes: int) -> float:
+    """Each step's all-reduce of the gradients across machines (data parallel, or HSDP's replicas of each shard):
+    a ring all-reduce sends 2 (M - 1)/M of the model's gradients out of each machine; 0 on one machine."""
+    nodes = machine.nodes
+    if nodes == 1:
+        return 0.0
+    return 2 * (nodes - 1) / nodes * gradient_bytes * shapes.parameters / (machine.internode_gbps * GB)
 
 
 def _hidden(step: object, interval: int) -> bool:

@@ -5,8 +5,13 @@ Defaults (:data:`GPU_DEFAULTS`) describe an H100/H200-class GPU on a PCIe Gen4 x
 assumptions of docs/performance.md section 3: pinned copies at 25 GB/s each way (Gen5 reaches about 50), 3 TB/s of
 device memory bandwidth for simple kernels, 400 TFLOP/s for forward and backward (about 40 % of the bf16 dense
 peak), 50 GB/s of host memory bandwidth for the host step of all the machine's workers, 20 GB/s for the host add of
-``accumulate_on="host"``, 50 GB/s between ranks. On a CPU (the stand-in, no GPU) the training process's cores play
-the device: copies there are memory copies on those cores.
+``accumulate_on="host"`` on all the machine's training processes, 50 GB/s between ranks, 25 GB/s out of each machine
+to the others (one 200 Gb/s NIC: HDR InfiniBand or 200 GbE; a machine with a NIC per GPU reaches 8 x 50). On a CPU
+(the stand-in, no GPU) the training process's cores play the device: copies there are memory copies on those cores.
+
+The host's rates are the machine's, shared by its ranks: each rank's training process and worker get
+``1/devices`` of its cores (``engine/ranks.py``), so a rank's host step, host add and unpack run at ``1/devices`` of
+the machine's rate. ``--measure`` times them on this process's whole core split, which is the machine's.
 
 ``--measure`` (:func:`measure`): the engine's host step (``engine/host.py``'s ``host_adam_update``, the kernel the
 worker runs, compiled where a compiler is found: the first run builds it) on the cores the machine's workers get, in
@@ -41,6 +46,7 @@ GPU_DEFAULTS = {
     "host_add_gbps": 20.0,
     "copy_gbps": 20.0,
     "network_gbps": 50.0,
+    "internode_gbps": 25.0,
 }
 CPU_DEFAULTS = {**GPU_DEFAULTS, "d2h_gbps": 10.0, "h2d_gbps": 10.0, "device_gbps": 10.0, "device_tflops": 0.05}
 """The CPU stand-in without ``--measure``: one core's memory copies and arithmetic, roughly."""
@@ -81,6 +87,8 @@ class Machine:
     host_add_gbps: float = GPU_DEFAULTS["host_add_gbps"]
     copy_gbps: float = GPU_DEFAULTS["copy_gbps"]
     network_gbps: float = GPU_DEFAULTS["network_gbps"]
+    internode_gbps: float = GPU_DEFAULTS["internode_gbps"]
+    """Bytes per second out of one machine to the others (the gradients' all-reduce of data parallel and of HSDP)."""
     host_step_rates: dict[tuple[str, str, bool], float] = field(default_factory=dict)
     """Measured host step, elements per second on all the worker cores, by (moments, window, master)."""
     host_add_rates: dict[str, float] = field(default_factory=dict)
@@ -110,21 +118,24 @@ class Machine:
         return None if measured is None else measured[0] + measured[1] * elements
 
     def host_add_rate(self, weight_bytes: int) -> float:
-        """Gradient elements per second the training process adds into the host accumulator (host mode)."""
+        """Gradient elements per second one rank's training process adds into the host accumulator (host mode):
+        its share of the machine's training cores."""
         key = "fp32" if weight_bytes == 4 else "bf16"
-        return self.host_add_rates.get(key) or self.host_add_gbps * GB / (weight_bytes + 8)
+        rate = self.host_add_rates.get(key) or self.host_add_gbps * GB / (weight_bytes + 8)
+        return rate / self.devices
 
     def describe(self) -> str:
         what = "measured" if self.measured else "defaults"
         kind = "GPU" if self.device_type == "cuda" else "CPU stand-in"
         devices = f"{self.devices} {kind}{'s' if self.devices > 1 else ''}"
         where = f"{self.nodes} machines of {devices}" if self.nodes > 1 else devices
+        between = f", between machines {self.internode_gbps:.3g} GB/s" if self.nodes > 1 else ""
         return (
             f"{where} ({self.device_memory / GB:.1f} GB each), {self.host_memory / GB:.1f} GB RAM per machine; "
             f"rates ({what}): "
             f"link {self.d2h_gbps:.3g}/{self.h2d_gbps:.3g} GB/s down/up, device {self.device_gbps:.3g} GB/s and "
             f"{self.device_tflops:.3g} TFLOP/s, host step {self.host_step_gbps:.3g} GB/s, host add "
-            f"{self.host_add_gbps:.3g} GB/s"
+            f"{self.host_add_gbps:.3g} GB/s{between}"
         )
 
 

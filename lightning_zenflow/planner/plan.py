@@ -4,13 +4,18 @@
 The rows: plain AdamW with fp32 state (no offload), synchronous offload (ZeRO-Offload's semantics: every matrix on
 the host, updated at every step while the device waits), ZenFlow with the knobs given (its defaults unless
 changed), and ZenFlow in each accumulation mode and host state that changes memory; under several devices each
-of them data parallel and under FSDP2. The recommended row is the fastest that fits and that ``configs/llm.yaml``'s
-module can run.
+of them data parallel and under FSDP2 (HSDP on several machines: sharded within a machine, replicated across
+machines), and the peers FSDP2 ``CPUOffloadPolicy`` and DeepSpeed ZeRO-3 with optimizer and parameter offload.
+
+The knobs the plan searches when the knobs' own row does not fit: the accumulation mode and the host state (rows of
+their own), a smaller ``topk_ratio`` (:data:`SMALLER_TOPK`, when it is not given), and the batch: the largest
+``--batch-size`` that fits is named for the recommended row, and for the knobs' own row when a smaller batch makes
+it fit. The recommended row is the fastest that fits and that ``configs/llm.yaml``'s module can run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -50,6 +55,12 @@ class Plan:
     activations: int | None
     """Activation bytes per rank (None: not estimated; a module without an example input)."""
     model_path: str | None = None
+    largest_batch: int | None = None
+    """The largest ``--batch-size`` at which the recommended row fits (None: nothing fits, or no activation
+    estimate)."""
+    smaller_batch: tuple[str, int, int] | None = None
+    """Where the knobs' own row does not fit at the batch asked but at a smaller one: (its name, the largest batch
+    that fits, the device's margin there in bytes)."""
 
     def row(self, name: str) -> Row:
         for row in self.rows:
@@ -147,17 +158,19 @@ def plan(
             machine = measure(machine, _formats(base, work))
     check_machine(machine)
     activations = _activations(shapes, work, example_input)
-    settings = _settings(knobs, machine.ranks > 1)
+    settings = _settings(knobs, machine)
     try:
         rows = [evaluate(shapes, setting, machine, work, activations or 0) for setting in settings]
     except UnsupportedSetupError as error:
         raise PlanError(f"the knobs cannot train this model: {error}") from error
     rows = _without_duplicates(rows)
-    if "topk_ratio" not in knobs and not any(r.fits for r in rows if r.config is not None):
+    own = [r for r in rows if r.name in _own_names(machine)]
+    if "topk_ratio" not in knobs and not any(r.fits for r in own):
         rows += _smaller_topk(shapes, knobs, machine, work, activations or 0)
-    runnable = [r for r in rows if r.fits and not (r.setting.kind == "adamw" and r.setting.layout == "fsdp2")]
+    runnable = [r for r in rows if r.fits and r.setting.kind in ("adamw", "zenflow")]
+    runnable = [r for r in runnable if not (r.setting.kind == "adamw" and r.setting.layout == "fsdp2")]
     recommended = min(runnable, key=lambda r: (round(r.step_s, 6), -r.device_margin), default=None)
-    return Plan(
+    result = Plan(
         model=shapes.name,
         parameters=shapes.parameters,
         machine=machine,
@@ -167,6 +180,54 @@ def plan(
         activations=activations,
         model_path=shapes.model_path,
     )
+    if activations:
+        if recommended is not None:
+            result.largest_batch = largest_batch(shapes, recommended, machine, work, activations)
+        unfit = [r for r in own if not r.fits]
+        for row in sorted(unfit, key=lambda r: r.step_s):
+            batch = largest_batch(shapes, row, machine, work, activations, up_to=work.batch_size - 1)
+            if batch is not None:
+                margin = _at_batch(shapes, row, machine, work, activations, batch).device_margin
+                result.smaller_batch = (row.name, batch, margin)
+                break
+    return result
+
+
+MAX_BATCH = 4096
+"""The largest ``--batch-size`` the search tries."""
+
+
+def _at_batch(shapes: ModelShapes, row: Row, machine: Machine, work: Workload, activations: int, batch: int) -> Row:
+    """``row``'s setting at ``batch`` sequences per rank (activations scale with the batch: every saved tensor has
+    the batch as a dimension)."""
+    setting = row.setting
+    if row.config is not None and "accumulate_on" not in setting.knobs:
+        # the mode "auto" chose at the batch asked, as the engine's choice ignores the activations
+        knobs = {**setting.knobs, "accumulate_on": row.accumulate_on}
+        setting = Setting(setting.name, setting.kind, setting.layout, knobs)
+    per_sequence = activations / work.batch_size
+    return evaluate(shapes, setting, machine, replace(work, batch_size=batch), round(per_sequence * batch))
+
+
+def largest_batch(
+    shapes: ModelShapes,
+    row: Row,
+    machine: Machine,
+    work: Workload,
+    activations: int,
+    up_to: int = MAX_BATCH,
+) -> int | None:
+    """The largest batch (sequences per rank, at most ``up_to``) at which ``row``'s setting fits; None if not 1."""
+    if up_to < 1 or not _at_batch(shapes, row, machine, work, activations, 1).fits:
+        return None
+    low, high = 1, up_to  # fits at low; binary search for the last that fits (memory grows with the batch)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _at_batch(shapes, row, machine, work, activations, middle).fits:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _config(knobs: dict) -> ZenFlowConfig:
@@ -203,11 +264,26 @@ def _activations(shapes: ModelShapes, work: Workload, example_input: Any) -> int
     return estimate.bytes(work.activation_checkpointing)
 
 
-def _settings(knobs: dict, several: bool) -> list[Setting]:
-    layouts = ("ddp", "fsdp2") if several else ("single",)
+def _layouts(machine: Machine) -> tuple[str, ...]:
+    return ("ddp", "fsdp2") if machine.ranks > 1 else ("single",)
+
+
+def _suffix(layout: str, machine: Machine) -> str:
+    """The rows' name suffix: none on one device, else the layout (FSDP2 on several machines is HSDP)."""
+    if machine.ranks == 1:
+        return ""
+    return " hsdp" if layout == "fsdp2" and machine.nodes > 1 else f" {layout}"
+
+
+def _own_names(machine: Machine) -> set[str]:
+    """The names of the knobs' own rows, one per layout."""
+    return {f"zenflow{_suffix(layout, machine)}" for layout in _layouts(machine)}
+
+
+def _settings(knobs: dict, machine: Machine) -> list[Setting]:
     settings = []
-    for layout in layouts:
-        suffix = f" {layout}" if several else ""
+    for layout in _layouts(machine):
+        suffix = _suffix(layout, machine)
         settings.append(Setting(f"adamw{suffix}", "adamw", layout))
         settings.append(Setting(f"sync-offload{suffix}", "zenflow", layout, dict(SYNC_OFFLOAD)))
         settings.append(Setting(f"zenflow{suffix}", "zenflow", layout, dict(knobs)))
@@ -216,6 +292,10 @@ def _settings(knobs: dict, several: bool) -> list[Setting]:
                 variant = {**knobs, "accumulate_on": mode, "host_state": host_state}
                 changed = " ".join(f"{k}={v}" for k, v in variant.items() if knobs.get(k) != v and k in PLAN_KNOBS)
                 settings.append(Setting(f"zenflow {changed}{suffix}", "zenflow", layout, variant))
+    if machine.ranks > 1:
+        offload = "hsdp" if machine.nodes > 1 else "fsdp2"
+        settings.append(Setting(f"peer: {offload} CPUOffloadPolicy", "fsdp_offload", "fsdp2"))
+        settings.append(Setting("peer: deepspeed zero3 offload", "zero3_offload", "fsdp2"))
     return settings
 
 
@@ -227,8 +307,8 @@ def _smaller_topk(shapes: ModelShapes, knobs: dict, machine: Machine, work: Work
     """The first of :data:`SMALLER_TOPK` whose row fits (fewer columns on the device: less state there), per layout."""
     for ratio in SMALLER_TOPK:
         rows = []
-        for layout in ("ddp", "fsdp2") if machine.ranks > 1 else ("single",):
-            suffix = f" {layout}" if machine.ranks > 1 else ""
+        for layout in _layouts(machine):
+            suffix = _suffix(layout, machine)
             setting = Setting(f"zenflow topk_ratio={ratio}{suffix}", "zenflow", layout, {**knobs, "topk_ratio": ratio})
             rows.append(evaluate(shapes, setting, machine, work, activations))
         if any(row.fits for row in rows):

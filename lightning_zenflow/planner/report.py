@@ -27,6 +27,10 @@ def _margin(row: Row) -> str:
 
 def row_knobs(row: Row) -> dict[str, Any]:
     """The knobs that run ``row``: ZenFlow's as resolved (the accumulation mode, the window), or plain AdamW's."""
+    if row.setting.kind == "fsdp_offload":
+        return {"strategy": "fsdp2", "offload_policy": "CPUOffloadPolicy", "precision": "bf16-mixed"}
+    if row.setting.kind == "zero3_offload":
+        return {"strategy": "deepspeed_stage_3_offload", "precision": "bf16-mixed"}
     if row.config is None:
         return {"strategy": "fsdp2" if row.setting.layout == "fsdp2" else "auto", "precision": "bf16-mixed"}
     knobs = {
@@ -103,10 +107,13 @@ def render_table(plan: Any) -> str:
             lines.append("  ".join("-" * w for w in widths))
     lines += [
         "",
-        "GB per rank on the device (peak: the sum, or the loading's peak under FSDP2) and per machine on the host "
-        "(engine: its shared state; pinned: host mode's staging; host: the peak with the system, the processes, "
-        "loading and export). S need: the shortest window that hides the host step; step s: the expected step time; "
-        "x sync: against synchronous offload. * recommended.",
+        "GB per rank on the device (peak: the sum, or the loading's or a selection's peak) and per machine on the "
+        "host (engine: its shared state, a peer's offloaded state; pinned: host mode's staging; host: the peak with "
+        "the system, the processes, loading, checkpoints and export). Under FSDP2 each rank loads its own rows (its "
+        "share and the largest tensor), checkpoints are sharded and the export is gathered a tensor at a time. S "
+        "need: the shortest window that hides the host step; step s: the expected step time; x sync: against "
+        "synchronous offload. peer: FSDP2 CPUOffloadPolicy (16 B per parameter on the host) and DeepSpeed ZeRO-3 "
+        "offloading optimizer and parameters (18 B), their host step every step. * recommended.",
     ]
     lines += recommendation_lines(plan)
     return "\n".join(lines)
@@ -121,15 +128,34 @@ def recommendation_lines(plan: Any) -> list[str]:
         return [
             "",
             f"nothing fits. Closest: {closest.name}, short by {_margin(closest).lstrip('-')}. Try {', '.join(ideas)}.",
+            *batch_lines(plan),
         ]
     knobs = ", ".join(f"{k}={v}" for k, v in row_knobs(row).items())
-    return [
+    lines = [
         "",
         f"recommended: {row.name} ({knobs}): {_gb(row.device_peak)} GB per device, {_gb(row.host_peak)} GB of host "
         f"memory, about {row.step_s:.3g} s a step.",
-        "run it with configs/llm.yaml's module and data:",
-        "  " + command(plan, row),
     ]
+    lines += batch_lines(plan)
+    return lines + ["run it with configs/llm.yaml's module and data:", "  " + command(plan, row)]
+
+
+def batch_lines(plan: Any) -> list[str]:
+    """The largest batch the recommended row fits, and the batch at which the knobs' own row would fit."""
+    lines = []
+    tokens = plan.workload.block_size
+    if plan.largest_batch is not None:
+        lines.append(
+            f"largest batch that fits with it: --batch-size {plan.largest_batch} ({plan.largest_batch} x {tokens} "
+            "tokens per rank; more tokens per step: --trainer.accumulate_grad_batches)."
+        )
+    if plan.smaller_batch is not None:
+        name, batch, margin = plan.smaller_batch
+        lines.append(
+            f"{name} (the knobs as given) fits at --batch-size {batch}, with {margin / GB:.1f} GB of the device to "
+            "spare."
+        )
+    return lines
 
 
 def command_args(plan: Any, row: Row) -> list[str]:
@@ -179,6 +205,7 @@ def plan_json(plan: Any) -> dict[str, Any]:
                 "host_parts": dict(row.host),
                 "host_loading_bytes": row.host_loading,
                 "host_export_bytes": row.host_export,
+                "host_checkpoint_bytes": row.host_checkpoint,
                 "engine_device_bytes": row.engine_device,
                 "engine_host_bytes": row.engine_host,
                 "fits": row.fits,
@@ -217,6 +244,7 @@ def plan_json(plan: Any) -> dict[str, Any]:
                     "host_add_gbps",
                     "copy_gbps",
                     "network_gbps",
+                    "internode_gbps",
                 )
             },
             "measured": dict(machine.measured),
@@ -230,4 +258,8 @@ def plan_json(plan: Any) -> dict[str, Any]:
         "activation_bytes_per_rank": plan.activations,
         "rows": rows,
         "recommended": recommended,
+        "largest_batch": plan.largest_batch,
+        "smaller_batch": None
+        if plan.smaller_batch is None
+        else dict(zip(("name", "batch_size", "device_margin_bytes"), plan.smaller_batch)),
     }
