@@ -258,3 +258,144 @@ def restore_env(saved: dict[str, str]) -> None:
     for key in set(os.environ) - set(saved):
         del os.environ[key]
     os.environ.update(saved)
+
+
+# ------------------------------------------------------------------------------------- Lightning fits across "machines"
+_GLOBAL_RANK: int | None = None
+"""This forked rank's global rank (``tests/rank_zygote.py`` gives it as ``LOCAL_RANK``, all on "machine" 0)."""
+
+
+def as_machine(devices: int) -> None:
+    """Give this rank the environment a launcher gives the ``LOCAL_RANK``-th process of a job of ``devices`` ranks per
+    machine (torchrun and SLURM's variables as Lightning reads them): ``NODE_RANK`` = rank // devices, ``LOCAL_RANK``
+    = rank % devices. The ranks stay processes of this machine; Lightning sees ``world // devices`` machines."""
+    global _GLOBAL_RANK
+    if _GLOBAL_RANK is None:
+        _GLOBAL_RANK = int(os.environ["LOCAL_RANK"])
+    os.environ.update(NODE_RANK=str(_GLOBAL_RANK // devices), LOCAL_RANK=str(_GLOBAL_RANK % devices))
+
+
+def hsdp_fit(out: pathlib.Path, options: dict) -> None:
+    """``tests/ddp_script.py``'s fit over ``options["num_nodes"]`` machines of ``options["devices"]`` ranks (a rank of
+    ``rank_zygote``'s, ``"entry": "distributed_helpers:hsdp_fit"``), with the wider module of :class:`MeshModule`
+    (every row count splits over 1, 2 and 4 ranks). ``strategy``: ZenFlowFSDPStrategy's knobs (``shard_size`` among
+    them), or ``"adamw"``: Lightning's ModelParallelStrategy with torch AdamW, the module sharded on the mesh of
+    ``options["mesh"]`` (``[replicas, shard]``: HSDP's 2-D mesh; absent: every rank). One rank and ``"fsdp": False``:
+    ZenFlowStrategy on the whole module. Writes ``out/rank{r}.pt`` as ddp_script's fit does."""
+    import ddp_script
+    import lightning
+
+    import lightning_zenflow
+
+    devices, num_nodes = int(options.get("devices", 1)), int(options.get("num_nodes", 1))
+    if devices * num_nodes > 1:
+        as_machine(devices)
+    knobs = options.get("strategy", {})
+    timeout = datetime.timedelta(seconds=60)
+    fsdp = options.get("fsdp", True)
+    if knobs == "adamw":
+        strategy: Any = lightning.pytorch.strategies.ModelParallelStrategy(
+            data_parallel_size=devices * num_nodes, tensor_parallel_size=1, timeout=timeout
+        )
+    else:
+        knobs = {"full_warm_up_rounds": 0, "host_threads": 1, "bind_cores": False, **knobs}
+        if fsdp:
+            strategy = lightning_zenflow.ZenFlowFSDPStrategy(timeout=timeout, **knobs)
+        else:
+            strategy = lightning_zenflow.ZenFlowStrategy(**knobs)
+    record = ddp_script.Record(None, None, 1, out)
+    callbacks: list[Any] = [record]
+    if options.get("checkpoint_every"):
+        callbacks.append(
+            lightning.pytorch.callbacks.ModelCheckpoint(
+                dirpath=out, filename="{step}", every_n_train_steps=options["checkpoint_every"], save_top_k=-1
+            )
+        )
+    module = MeshModule(
+        mesh_shape=options.get("mesh"),
+        shard="all" if fsdp else "none",
+        samples=options.get("samples", 48),
+        batch_size=options["batch_size"],
+    )
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        max_steps=options.get("max_steps", 8),
+        max_epochs=100,
+        logger=False,
+        enable_checkpointing=bool(options.get("checkpoint_every")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        use_distributed_sampler=False,
+        default_root_dir=str(out),
+    )
+    trainer.fit(module, ckpt_path=options.get("ckpt_path"))
+    mesh = getattr(trainer.strategy, "shard_mesh", None) if fsdp and knobs != "adamw" else None
+    result = {
+        "weights": ddp_script.full_weights(module) if fsdp else ddp_script.weights(module),
+        "global_step": trainer.global_step,
+        "strategy": type(trainer.strategy).__name__,
+        "world_size": trainer.world_size,
+        "node_rank": trainer.node_rank,
+        "local_rank": trainer.local_rank,
+        "mesh_shape": None if mesh is None else tuple(mesh.shape),
+        "placements": module.placements,
+        "engine_ranks": module.engine_ranks,
+    }
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def _mesh_module_class() -> type:
+    import ddp_script
+
+    class _MeshModule(ddp_script.ShardedModule):
+        """ddp_script's sharded module, 8 -> 24 -> 8, sharded on the strategy's ``shard_mesh`` (ZenFlow), on the
+        ``[replicas, shard]`` mesh ``mesh_shape`` (torch AdamW's HSDP control), or on every rank."""
+
+        out_features = 8
+
+        def __init__(self, mesh_shape: list[int] | None = None, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.mesh_shape = mesh_shape
+            self.placements: list[str] = []
+            self.engine_ranks: dict | None = None
+
+        def configure_model(self) -> None:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            if self.shard == "none":
+                return
+            mesh = getattr(self.trainer.strategy, "shard_mesh", None)
+            if self.mesh_shape is not None:
+                mesh = init_device_mesh("cpu", tuple(self.mesh_shape), mesh_dim_names=("replicate", "shard"))
+            elif mesh is None:
+                mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+            self.placements = [str(tuple(param.placements)) for param in self.parameters()]
+
+        def on_train_start(self) -> None:
+            engine = getattr(self.trainer.strategy, "engine", None)
+            if engine is not None:
+                ranks = engine.ranks
+                self.engine_ranks = {"rank": ranks.rank, "world": ranks.world, "replicas": ranks.replicas}
+
+    return _MeshModule
+
+
+def MeshModule(**kwargs: Any) -> Any:  # noqa: N802  (a class, built on first use: it needs ddp_script's imports)
+    global _MESH_MODULE
+    if _MESH_MODULE is None:
+        _MESH_MODULE = _mesh_module_class()
+    return _MESH_MODULE(**kwargs)
+
+
+_MESH_MODULE: type | None = None

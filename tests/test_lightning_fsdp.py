@@ -7,10 +7,11 @@ docs/distributed.md says. The one-process fits compared with it (``ZenFlowStrate
 script's ``fit`` in this process. Covered: the exact settings equal Lightning's ModelParallelStrategy with torch AdamW
 (also clipped by norm: the global norm of the shards);
 2 ranks equal one process on the same global batch (selection is global); each rank's device bytes (weights,
-gradients, ZenFlow's state) and host bytes fall as 1/W; full and sharded checkpoints written at 2 ranks resume at 1
-and 3 ranks as the rest of the run, and the full one under plain AdamW and ZenFlowStrategy; a killed worker on rank 1
-ends both ranks; FSDP1, unsharded models and ``CPUOffloadPolicy`` are refused with the fix named. The interim moves
-are on (``"auto"``) in these fits: 2 ranks equal one process with them, and differ from 2 ranks without them.
+gradients, ZenFlow's state) and host bytes fall as 1/W; full and sharded (the default) checkpoints written at 2 ranks
+resume at 1 and 3 ranks as the rest of the run, and the full one under plain AdamW and ZenFlowStrategy; a killed
+worker on rank 1 ends both ranks; FSDP1, unsharded models and ``CPUOffloadPolicy`` are refused with the fix named.
+The interim moves are on (``"auto"``) in these fits: 2 ranks equal one process with them, and differ from 2 ranks
+without them. HSDP and 4 ranks: ``tests/test_lightning_hsdp.py``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class Fits(test_lightning_ddp.Fits):
         return self.dir(**options), super().get(**options)
 
 
-CHECKPOINTED = {"strategy": KNOBS, "checkpoint_every": 4}
+CHECKPOINTED = {"strategy": {**KNOBS, "checkpoint_format": "full"}, "checkpoint_every": 4}
+"""A fit with ``"full"`` checkpoints (one ``.ckpt`` file gathered to rank 0; ``"sharded"`` is the default)."""
 SHARDED = {"strategy": {**KNOBS, "checkpoint_format": "sharded"}, "checkpoint_every": 4, "save_after": True}
 
 
@@ -106,7 +108,7 @@ def test_clipping_by_norm_takes_the_global_norm_of_the_shards(fits: Fits) -> Non
 def test_two_ranks_equal_one_process_on_the_global_batch(fits: Fits) -> None:
     # one all-reduce of the column scores: both ranks choose what one process chooses from the whole gradient; one
     # all-reduce of the rows' and columns' sums per window: both hold the interim moves' statistics one process holds
-    run, two = fits.get(2, strategy=KNOBS, checkpoint_every=4)
+    run, two = fits.get(2, **CHECKPOINTED)
     _, one = fits.get(1, fsdp=False, strategy=KNOBS)
     assert one[0]["strategy"] == "ZenFlowStrategy"
     assert two[0]["global_step"] == one[0]["global_step"] == 8
@@ -118,7 +120,7 @@ def test_two_ranks_equal_one_process_on_the_global_batch(fits: Fits) -> None:
 
 
 def test_device_and_host_bytes_per_rank_fall_as_one_over_w(fits: Fits) -> None:
-    by_world = {1: fits.get(1, strategy=KNOBS)[1], 2: fits.get(2, strategy=KNOBS, checkpoint_every=4)[1]}
+    by_world = {1: fits.get(1, strategy=KNOBS)[1], 2: fits.get(2, **CHECKPOINTED)[1]}
     by_world[3] = fits.get(3, strategy=KNOBS)[1]
     whole = by_world[1][0]
     for world, ranks in by_world.items():
@@ -139,7 +141,7 @@ def test_device_and_host_bytes_per_rank_fall_as_one_over_w(fits: Fits) -> None:
 def test_each_rank_holds_what_it_counts(fits: Fits) -> None:
     """Per rank of the 1-, 2- and 3-rank fits: the engine's bytes equal ``engine/budget.py``'s formulas for its shards
     and the shared memory the rank maps and its worker holds is what it counts (tests/memory_probe.py)."""
-    by_world = {1: fits.get(1, strategy=KNOBS)[1], 2: fits.get(2, strategy=KNOBS, checkpoint_every=4)[1]}
+    by_world = {1: fits.get(1, strategy=KNOBS)[1], 2: fits.get(2, **CHECKPOINTED)[1]}
     by_world[3] = fits.get(3, strategy=KNOBS)[1]
     for ranks in by_world.values():
         for result in ranks:
@@ -174,7 +176,7 @@ def test_a_sharded_checkpoint_at_two_ranks_resumes_at_one_and_three(fits: Fits) 
     run, two = fits.get(2, **SHARDED)
     saved = run / "step=4.ckpt"
     assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    _, uninterrupted = fits.get(2, strategy=KNOBS, checkpoint_every=4)
+    _, uninterrupted = fits.get(2, **CHECKPOINTED)
     assert_weights_equal(two[0]["weights"], uninterrupted[0]["weights"])  # the format does not change the run
     for world in (1, 3):
         _, resumed = fits.get(world, strategy=knobs, ckpt_path=str(saved))

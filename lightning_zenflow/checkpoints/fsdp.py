@@ -1,12 +1,15 @@
 """The checkpoint hooks of :class:`~lightning_zenflow.ZenFlowFSDPStrategy`: each rank's engine holds the row blocks
 of its FSDP2 shards, so a checkpoint is gathered or written by rows.
 
-- ``checkpoint_format="full"`` (the default) gathers everything to rank 0 into the other strategies' format
-  (``checkpoints/fsdp_state.py``'s ``consolidate``): one ``.ckpt`` that resumes under ``ZenFlowStrategy``, the
-  data-parallel strategy, plain AdamW, or this one. Loading cuts a whole state to this rank's rows.
-- ``"sharded"`` writes a ``torch.distributed.checkpoint`` directory (``checkpoints/sharded.py``) in which the weights
-  are FSDP2's DTensors and every parameter's ZenFlow state a row-sharded DTensor over the rank's host memory: it
-  resumes at any number of ranks.
+- ``checkpoint_format="sharded"`` (the default) writes a ``torch.distributed.checkpoint`` directory
+  (``checkpoints/sharded.py``) in which the weights are FSDP2's DTensors and every parameter's ZenFlow state a
+  row-sharded DTensor over the rank's host memory, placed on FSDP2's mesh (HSDP: ``(Replicate(), Shard(0))`` on the
+  2-D mesh, so a replicated block is written once): no rank gathers anything, and it resumes at any number of ranks,
+  with or without HSDP.
+- ``"full"`` gathers everything to rank 0 into the other strategies' format (``checkpoints/fsdp_state.py``'s
+  ``consolidate``, over each shard group): one ``.ckpt`` that resumes under ``ZenFlowStrategy``, the data-parallel
+  strategy, plain AdamW, or this one. Loading cuts a whole state to this rank's rows. For models whose whole state
+  fits rank 0's host.
 """
 
 from __future__ import annotations
@@ -114,7 +117,13 @@ class FSDPCheckpointHooks(CheckpointHooks):
             self._engine_ranks(),
             write_meta=lambda meta, file: self.checkpoint_io.save_checkpoint(meta, file),
             device_type=self.root_device.type,
+            mesh=self._checkpoint_mesh(),
+            writes_meta=self.is_global_zero,  # HSDP: one meta file, though every replica group has a rank 0
         )
+
+    @override
+    def _checkpoint_mesh(self) -> object | None:
+        return self.shard_mesh  # FSDP2's mesh (HSDP: the 2-D one; DCP writes a replicated row block once)
 
     @override
     def _read_checkpoint_file(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -116,7 +116,13 @@ class CheckpointHooks:
             self._engine_ranks(),
             write_meta=lambda meta, file: self.checkpoint_io.save_checkpoint(meta, file),
             device_type=self.root_device.type,
+            mesh=self._checkpoint_mesh(),
+            writes_meta=self.is_global_zero,
         )
+
+    def _checkpoint_mesh(self) -> object | None:
+        """The mesh a sharded directory's row blocks are placed on (None: one dimension over the engine's ranks)."""
+        return None
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -176,6 +182,7 @@ class CheckpointHooks:
                 self._engine_ranks(),
                 self.root_device.type,
                 model_targets=self._sharded_model_targets(),
+                mesh=self._checkpoint_mesh(),
             )
         except Exception as error:
             raise CheckpointError(unreadable_checkpoint(path, error)) from error

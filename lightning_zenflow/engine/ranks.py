@@ -19,6 +19,12 @@ same ``torch.chunk`` blocks), so the engine's matrices are the local shards, its
 and nothing is shared at landings; only the refresh's column scores (:meth:`Ranks.sum_scores_`), the agreed numbers
 and the checkpoints' gathers cross ranks.
 
+HSDP (FSDP2 on a 2-D mesh, ``replicas > 1``): ``rank``, ``world`` and ``group`` are this rank's *shard group* (the
+ranks that split the rows between them); ``replicas`` groups like it hold the same rows and, since FSDP2 all-reduces
+the gradients across them, compute the same updates. Everything about rows (the column scores, the interim moves'
+sums, the checkpoints' gathers) runs over the shard group; what every rank must choose alike (:meth:`Ranks.agree`,
+the selection's :meth:`Ranks.broadcast_`) runs over ``everyone``, all ``world * replicas`` ranks.
+
 One rank (``world == 1``) makes every collective a no-op: the single-device engine is this code with one rank.
 The engine module imports no Lightning; the process group is torch.distributed's, made by whoever launched the
 ranks (Lightning's DDP strategy, torchrun, a test).
@@ -44,8 +50,11 @@ class Ranks:
         world: the number of ranks.
         local_rank: its rank among the ranks on this machine (they share its cores and memory).
         local_world: the number of ranks on this machine.
-        group: the torch.distributed process group (None: the default group).
+        group: the torch.distributed process group the rows are split over (None: the default group).
         rows_local: the parameters the engine sees are already this rank's row shards (FSDP2), not replicas.
+        replicas: how many groups like ``group`` hold the same rows (HSDP's replicate dimension; 1 otherwise).
+        everyone: the process group of all ``world * replicas`` ranks, for the choices they must make alike
+            (None: the default group). Used only when ``replicas > 1``; otherwise those choices run over ``group``.
     """
 
     rank: int = 0
@@ -54,8 +63,12 @@ class Ranks:
     local_world: int = 1
     group: object | None = None
     rows_local: bool = False
+    replicas: int = 1
+    everyone: object | None = None
 
     def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas={self.replicas} must be at least 1.")
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world} ranks.")
         if not 0 <= self.local_rank < self.local_world:
@@ -63,9 +76,15 @@ class Ranks:
 
     @classmethod
     def from_process_group(
-        cls, local_rank: int = 0, local_world: int = 1, group: object | None = None, rows_local: bool = False
+        cls,
+        local_rank: int = 0,
+        local_world: int = 1,
+        group: object | None = None,
+        rows_local: bool = False,
+        replicas: int = 1,
     ) -> Ranks:
-        """The ranks of torch.distributed's (initialised) default group, or of ``group``."""
+        """The ranks of torch.distributed's (initialised) default group, or of ``group`` (HSDP: the shard group, one
+        of ``replicas``; the agreed choices then span the default group)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -77,6 +96,7 @@ class Ranks:
             local_world=local_world,
             group=group,
             rows_local=rows_local,
+            replicas=replicas,
         )
 
     @property
@@ -86,8 +106,24 @@ class Ranks:
 
     @property
     def spans(self) -> bool:
-        """More than one rank: the collectives that every mode needs (agreed numbers, selections) communicate."""
+        """More than one rank splits the rows: the collectives over the rows (scores, sums, gathers) communicate."""
         return self.world > 1
+
+    @property
+    def agrees(self) -> bool:
+        """More than one rank in all (replicas included): the agreed numbers and the selection communicate."""
+        return self.world * self.replicas > 1
+
+    def _agreement_group(self) -> object | None:
+        return self.everyone if self.replicas > 1 else self.group
+
+    def _global_rank(self, rank: int, group: object | None) -> int:
+        """torch.distributed's global rank of ``group``'s rank ``rank`` (collectives name their source globally)."""
+        if group is None:
+            return rank
+        import torch.distributed as dist
+
+        return dist.get_global_rank(group, rank)
 
     def row_range(self, rows: int) -> list[tuple[int, int]]:
         """``[(start, stop)]`` per rank: the row block each rank owns of a matrix with ``rows`` rows."""
@@ -135,7 +171,7 @@ class Ranks:
 
         for owner, (start, stop) in enumerate(self.row_range(tensor.shape[0])):
             if stop > start:
-                dist.broadcast(tensor[start:stop], src=owner, group=self.group)
+                dist.broadcast(tensor[start:stop], src=self._global_rank(owner, self.group), group=self.group)
 
     def share_rows_many(self, tensors: list[torch.Tensor], budget_elements: int = SHARE_CHUNK_ELEMENTS) -> None:
         """:meth:`share_rows` for many tensors at once: their row blocks packed into padded chunks (one dtype each,
@@ -192,25 +228,28 @@ class Ranks:
                 position += size
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank ``src``'s ``tensor`` on every rank (in place)."""
-        if self.spans:
+        """The ``src``-th rank's ``tensor`` on every rank (in place), replicas included (HSDP: over ``everyone``)."""
+        if self.agrees:
             import torch.distributed as dist
 
-            dist.broadcast(tensor, src=src, group=self.group)
+            group = self._agreement_group()
+            dist.broadcast(tensor, src=self._global_rank(src, group), group=group)
         return tensor
 
     def agree(self, value: float, device: torch.device, op: str = "max") -> float:
-        """The maximum (or minimum) of ``value`` over the ranks."""
-        if not self.spans:
+        """The maximum (or minimum) of ``value`` over all ranks, replicas included (HSDP: over ``everyone``)."""
+        if not self.agrees:
             return value
         import torch.distributed as dist
 
         tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=self.group)
+        op_ = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN
+        dist.all_reduce(tensor, op=op_, group=self._agreement_group())
         return float(tensor.item())
 
     def all_reduce_sum(self, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The sum of ``tensor`` (on the CPU) over the ranks, on the CPU (run on ``device``)."""
+        """The sum of ``tensor`` (on the CPU) over the ranks that split the rows (``group``), on the CPU (run on
+        ``device``)."""
         if not self.spans:
             return tensor
         import torch.distributed as dist
@@ -220,8 +259,9 @@ class Ranks:
         return total.cpu()
 
     def sum_scores_(self, scores: torch.Tensor) -> torch.Tensor:
-        """FSDP2: every rank's column scores of its rows summed in place (the whole matrix's scores, so every rank
-        chooses the same columns); a no-op for replicated parameters, whose scores are already whole."""
+        """FSDP2: every rank's column scores of its rows summed in place over the shard group (the whole matrix's
+        scores, so every rank chooses the same columns; HSDP's replicas hold the same rows and the same gradients,
+        so their sums are the same); a no-op for replicated parameters, whose scores are already whole."""
         if self.rows_local and self.spans:
             import torch.distributed as dist
 

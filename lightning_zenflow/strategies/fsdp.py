@@ -12,17 +12,23 @@ Device bytes for the weights, gradients and ZenFlow's state fall as ``1/W``, and
 - **Interim moves** run on each rank's rows: their statistics are sums over *all* rows of a matrix, which FSDP2's
   shards split, so at each window's first step one all-reduce (the rows' and the columns' sums of every matrix,
   O(rows + columns) floats) gives every rank the statistics one process would hold (``engine/interim.py``).
-- **Checkpoints**: ``checkpoint_format="sharded"`` writes a ``torch.distributed.checkpoint`` directory in which the
-  weights are FSDP2's DTensors and every parameter's ZenFlow state (master, moments, window sum) is a row-sharded
-  DTensor over the rank's host memory: it resumes at any number of ranks.
-  ``"full"`` (the default) gathers everything to rank 0 into the format of the other strategies: one ``.ckpt`` that
-  resumes under :class:`~lightning_zenflow.ZenFlowStrategy`, the data-parallel strategy, plain AdamW, or this one.
-  Both are ``checkpoints/fsdp.py``.
+- **HSDP** (``shard_size``): the ranks form a 2-D mesh ``("replicate", "shard")``; FSDP2 shards every parameter over
+  the shard group and all-reduces its gradients across the replicas. ZenFlow's host state is split over the shard
+  group (replicas hold the same rows and compute the same updates, one worker per rank); the column scores and the
+  interim moves' sums are reduced over the shard group, the agreed numbers and the selection over every rank.
+- **Checkpoints**: ``checkpoint_format="sharded"`` (the default) writes a ``torch.distributed.checkpoint`` directory
+  in which the weights are FSDP2's DTensors and every parameter's ZenFlow state (master, moments, window sum) is a
+  row-sharded DTensor over the rank's host memory, with the parameter's global shape: no rank holds more than its
+  share, and it resumes at any number of ranks, with or without HSDP (DCP writes a replicated block once).
+  ``"full"`` gathers everything to rank 0 into the format of the other strategies: one ``.ckpt`` that resumes under
+  :class:`~lightning_zenflow.ZenFlowStrategy`, the data-parallel strategy, plain AdamW, or this one (for models whose
+  whole state fits rank 0's host). Both are ``checkpoints/fsdp.py``.
 
-The recipe (docs/distributed.md, "FSDP2"): ``Trainer(strategy="zenflow_fsdp", devices=N)``, and in the LightningModule's
-``configure_model`` apply ``fully_shard(block, mesh=self.device_mesh["data_parallel"])`` to each block and then to
-the module that holds them all, so that every trainable parameter is sharded. FSDP1 wrappers, tensor parallelism,
-2-D (HSDP) meshes and ``CPUOffloadPolicy`` are refused with the fix named.
+The recipe (docs/distributed.md, "FSDP2" and "HSDP"): ``Trainer(strategy="zenflow_fsdp", devices=N, num_nodes=M)``,
+and in the LightningModule's ``configure_model`` apply ``fully_shard(block, mesh=self.trainer.strategy.shard_mesh)``
+to each block and then to the module that holds them all, so that every trainable parameter is sharded. FSDP1
+wrappers, tensor parallelism, meshes other than ``shard_mesh`` and ``CPUOffloadPolicy`` are refused with the fix
+named.
 """
 
 from __future__ import annotations
@@ -48,9 +54,36 @@ from lightning_zenflow.strategies.base import COLLECTIVE_TIMEOUT, ZenFlowStrateg
 
 def _fix() -> str:
     return (
-        'apply fully_shard(module, mesh=self.device_mesh["data_parallel"]) in configure_model to every block and '
+        "apply fully_shard(module, mesh=self.trainer.strategy.shard_mesh) in configure_model to every block and "
         "then to the module that holds them, so that every trainable parameter is an FSDP2 shard"
     )
+
+
+def check_shard_size(shard_size: object) -> None:
+    """``shard_size`` is one of the values it takes (raised at construction, before any Trainer exists)."""
+    if shard_size in ("all", "auto"):
+        return
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise MisconfigurationException(
+            f"zenflow_fsdp: shard_size={shard_size!r} is not 'all' (FSDP over every rank), 'auto' (HSDP, one "
+            "machine per shard group) or a positive number of ranks per shard group."
+        )
+
+
+def resolve_shard_size(shard_size: int | str, world: int, per_machine: int) -> int:
+    """The number of ranks that split every parameter's rows (``shard_size``; module notes): all ``world`` ranks for
+    ``"all"``, one machine's ``per_machine`` ranks for ``"auto"``, or the number given, which must divide ``world``."""
+    check_shard_size(shard_size)
+    if shard_size == "all":
+        return world
+    if shard_size == "auto":
+        return per_machine if world % per_machine == 0 else world
+    if world % shard_size:
+        raise MisconfigurationException(
+            f"zenflow_fsdp: shard_size={shard_size} does not divide the {world} ranks into equal shard groups; pass "
+            f"a divisor of {world}, or shard_size='auto' (one machine per shard group: devices={per_machine})."
+        )
+    return shard_size
 
 
 class LocalShards:
@@ -141,8 +174,12 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
         bind_cores: pin each rank's training process and host worker to disjoint cores.
         worker_timeout_s: a host worker silent this long fails the run (on every rank).
         log_telemetry: log ``zenflow/*`` metrics and show the stall share in the progress bar.
-        checkpoint_format: ``"full"`` (one ``.ckpt`` file, gathered to rank 0) or ``"sharded"`` (a directory).
-        data_parallel_size: ranks FSDP2 shards over (``"auto"``: all of them; the only supported value is all).
+        checkpoint_format: ``"sharded"`` (the default: a directory, every rank writes its share) or ``"full"`` (one
+            ``.ckpt`` file gathered to rank 0, which every strategy and plain AdamW resume; for small models).
+        shard_size: ranks that split every parameter: ``"all"`` (the default: FSDP over every rank), ``"auto"``
+            (HSDP with one machine per shard group: ``devices`` ranks), or a number of ranks that divides the world;
+            the rest of the world is replicas (HSDP). ``fully_shard`` takes :attr:`shard_mesh`.
+        data_parallel_size: ranks the data is split over (``"auto"``: all of them; the only supported value is all).
         process_group_backend: ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs) by default.
         timeout: bound on every collective (see ``strategies/base.py``'s ``COLLECTIVE_TIMEOUT``).
     """
@@ -171,13 +208,15 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
         bind_cores: bool = True,
         worker_timeout_s: float = 10.0,
         log_telemetry: bool = True,
-        checkpoint_format: Literal["full", "sharded"] = "full",
+        checkpoint_format: Literal["full", "sharded"] = "sharded",
+        shard_size: int | Literal["all", "auto"] = "all",
         data_parallel_size: int | Literal["auto"] = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = COLLECTIVE_TIMEOUT,
     ) -> None:
         knobs = zenflow_knobs(locals())
         self._init_zenflow(knobs)
+        check_shard_size(shard_size)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=1,
@@ -187,6 +226,8 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
         )
         self._shards: LocalShards | None = None
         self._zero_grad_guard: ZeroGradGuard | None = None
+        self._shard_size = shard_size
+        self._hsdp_mesh: object | None = None  # the ("replicate", "shard") mesh under HSDP
 
     @classmethod
     @override
@@ -197,19 +238,45 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
     @override
     def setup_environment(self) -> None:
         self._check_accelerator()
+        world = self.num_nodes * self.num_processes
         if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
-        if self._data_parallel_size != self.num_nodes * self.num_processes:
+            self._data_parallel_size = world
+        if self._data_parallel_size != world:
             raise MisconfigurationException(
-                f"zenflow_fsdp shards over every rank; data_parallel_size={self._data_parallel_size} leaves "
-                f"{self.num_nodes * self.num_processes} ranks in other mesh dimensions (tensor parallelism, HSDP), "
-                "which ZenFlow does not support. Leave data_parallel_size='auto'."
+                f"zenflow_fsdp splits the data over every rank; data_parallel_size={self._data_parallel_size} leaves "
+                f"{world} ranks in other mesh dimensions (tensor parallelism), which ZenFlow does not support. "
+                "Leave data_parallel_size='auto' (for HSDP, pass shard_size='auto' or a number of ranks instead)."
             )
-        super().setup_environment()
+        shard_size = resolve_shard_size(self._shard_size, world, self.num_processes)
+        super().setup_environment()  # the process group, and Lightning's ("data_parallel", "tensor_parallel") mesh
+        if shard_size < world:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # collective (every rank builds it, here): one process group per replica group and per shard group
+            self._hsdp_mesh = init_device_mesh(
+                self.root_device.type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+            )
+
+    @property
+    def shard_mesh(self) -> object:
+        """The mesh to give ``fully_shard`` in ``configure_model``: 1-D over every rank (FSDP, the same as
+        ``self.device_mesh["data_parallel"]``), or 2-D ``("replicate", "shard")`` under HSDP (``shard_size``)."""
+        if self._hsdp_mesh is not None:
+            return self._hsdp_mesh
+        return self.device_mesh["data_parallel"]
 
     @override
     def _engine_ranks(self) -> Ranks:
-        return Ranks.from_process_group(local_rank=self.local_rank, local_world=self.num_processes, rows_local=True)
+        if self._hsdp_mesh is None:
+            return Ranks.from_process_group(local_rank=self.local_rank, local_world=self.num_processes, rows_local=True)
+        # the shard group splits the rows; the replicas (the default group spans them all) agree on the choices
+        return Ranks.from_process_group(
+            local_rank=self.local_rank,
+            local_world=self.num_processes,
+            group=self._hsdp_mesh["shard"].get_group(),
+            rows_local=True,
+            replicas=self._hsdp_mesh["replicate"].size(),
+        )
 
     # --------------------------------------------------------------------------------------- the local shards
     @override
@@ -218,12 +285,11 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
         _lazy_init(module)  # FSDP2 may re-pad and replace a shard at its first forward: before ZenFlow holds them
         optimizer = self.optimizers[0]
         names = {param: name for name, param in module.named_parameters()}
-        world = self.world_size
         ranks = self._engine_ranks()
         _check_no_cpu_offload(module)  # first: offloaded shards would fail the device check with a vaguer message
         for group in optimizer.param_groups:
             for param in group["params"]:
-                _check_shard(param, names.get(param, "a parameter"), world, ranks, self.root_device)
+                _check_shard(param, names.get(param, "a parameter"), self.shard_mesh, ranks, self.root_device)
         self._shards = LocalShards(optimizer, names, ranks)
         return self._shards.local_optimizer, self._shards.names
 
@@ -263,18 +329,24 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def _check_shard(param: torch.Tensor, name: str, world: int, ranks: Ranks, device: torch.device) -> None:
-    from torch.distributed.tensor import Shard
+def _check_shard(param: torch.Tensor, name: str, mesh: object, ranks: Ranks, device: torch.device) -> None:
+    """``param`` is FSDP2's row shard on ``mesh`` (the strategy's :attr:`~ZenFlowFSDPStrategy.shard_mesh`): placed
+    ``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))`` on HSDP's, with this rank's row block."""
+    from torch.distributed.tensor import Replicate, Shard
 
     if not is_dtensor(param):
         raise MisconfigurationException(f"zenflow_fsdp: parameter {name!r} is not sharded by FSDP2; {_fix()}.")
     placements = tuple(param.placements)
-    if param.device_mesh.ndim != 1 or placements != (Shard(0),) or param.device_mesh.size() != world:
+    wanted = (*(Replicate(),) * (mesh.ndim - 1), Shard(0))
+    same_mesh = param.device_mesh.ndim == mesh.ndim and param.device_mesh.mesh.tolist() == mesh.mesh.tolist()
+    if not same_mesh or placements != wanted:
+        layout = "HSDP's (replicate, shard) mesh" if mesh.ndim == 2 else f"all {mesh.size()} ranks"
         raise MisconfigurationException(
             f"zenflow_fsdp: parameter {name!r} is placed {placements} on a mesh of shape "
-            f"{tuple(param.device_mesh.shape)}; ZenFlow takes FSDP2's row shards over all {world} ranks only (no "
-            f"tensor parallelism, no 2-D mesh): {_fix()}."
+            f"{tuple(param.device_mesh.shape)}; ZenFlow takes FSDP2's row shards over {layout} "
+            f"{tuple(mesh.shape)}, placed {wanted} (no tensor parallelism, no other mesh): {_fix()}."
         )
+    world = ranks.world
     rows = param.shape[0] if param.dim() else 1
     if any(start == stop for start, stop in ranks.row_range(rows)):
         raise MisconfigurationException(
