@@ -323,6 +323,7 @@ def hsdp_fit(out: pathlib.Path, options: dict) -> None:
         num_nodes=num_nodes,
         strategy=strategy,
         max_steps=options.get("max_steps", 8),
+        gradient_clip_val=options.get("gradient_clip_val"),
         max_epochs=100,
         logger=False,
         enable_checkpointing=bool(options.get("checkpoint_every")),

@@ -8,9 +8,9 @@ The "machines" are processes of this one: ``tests/rank_zygote.py`` forks the ran
 
 Default suite: 2 machines of 1 rank (HSDP 2 x 1: a replica per machine) equal one process on the global batch, and
 write a sharded checkpoint whose replicated blocks are written once; ``shard_size`` is checked. Slow tier (4 ranks):
-HSDP 2 x 2 equals ``fully_shard`` on the same 2-D mesh with torch AdamW in the exact setting, and one process on the
-global batch; a sharded checkpoint written at 4 ranks resumes at 2, and one written under HSDP 2 x 2 resumes at 4
-ranks of plain FSDP, each as the rest of the uninterrupted run.
+HSDP 2 x 2 equals ``fully_shard`` on the same 2-D mesh with torch AdamW in the exact setting (also clipped by norm),
+and one process on the global batch; a sharded checkpoint written at 4 ranks resumes at 2, and one written under
+HSDP 2 x 2 resumes at 4 ranks of plain FSDP, each as the rest of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -110,6 +110,9 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     fits = {
         "hsdp_exact": {**TWO_BY_TWO, "strategy": {**EXACT, "shard_size": "auto"}},
         "hsdp_adamw": {**TWO_BY_TWO, "strategy": "adamw", "mesh": [2, 2]},
+        # clipped by a norm every step exceeds: the norm of the shards over the 2-D mesh, counted once per replica
+        "hsdp_exact_clipped": {**TWO_BY_TWO, "strategy": {**EXACT, "shard_size": "auto"}, "gradient_clip_val": 0.05},
+        "hsdp_adamw_clipped": {**TWO_BY_TWO, "strategy": "adamw", "mesh": [2, 2], "gradient_clip_val": 0.05},
         "hsdp": HSDP,
         "fsdp4": FSDP4,
         # the HSDP 2 x 2 directory read by 4 ranks of plain FSDP (one machine of 4)
@@ -136,6 +139,11 @@ def test_hsdp_two_by_two_equals_fully_shard_on_the_same_mesh_with_adamw(four: di
     assert_weights_close(zenflow[0]["weights"], adamw[0]["weights"], atol=1e-6, rtol=0.0)
     for rank in range(1, 4):
         assert_weights_equal(zenflow[rank]["weights"], zenflow[0]["weights"])
+    clipped, adamw_clipped = four["results"]["hsdp_exact_clipped"], four["results"]["hsdp_adamw_clipped"]
+    assert_weights_close(clipped[0]["weights"], adamw_clipped[0]["weights"], atol=1e-6, rtol=0.0)
+    unclipped = adamw[0]["weights"]
+    moved = max((adamw_clipped[0]["weights"][k] - unclipped[k]).abs().max().item() for k in unclipped)
+    assert moved > 1e-4, f"the threshold did not clip (weights moved by {moved:.1e} at most)"
 
 
 @pytest.mark.slow
