@@ -285,9 +285,11 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
     (``load_sharded``), for every dtype of ``options["dtypes"]``; then export each with ``write_sharded`` into
     ``out/export-<dtype>-<limit>`` for every size limit of ``options["export_limits"]``.
 
-    Writes (and returns) ``out/rank{r}.pt``: per dtype, the weights gathered whole (on every rank), the buffers, whether
-    the embeddings are one parameter, and this rank's peak resident memory (``VmHWM``, KiB) after the model was built
-    on meta and after it was loaded (reset to the resident memory before the build)."""
+    Writes (and returns) ``out/rank{r}.pt``: per dtype, the weights gathered whole (on every rank; not with
+    ``options["gather"]`` false), the buffers, whether the embeddings are one parameter, this rank's peak resident
+    memory (``VmHWM``, KiB) after the model was built on meta and after it was loaded (reset to the resident memory
+    before the build), and with ``options["compare_rows"]`` the names whose rows differ from ``from_pretrained``'s
+    (:func:`differing_rows`, after the measurement)."""
     import torch.distributed as dist
     import transformers
     from ddp_script import full_weights
@@ -322,6 +324,7 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
                 "weights": full_weights(model) if options.get("gather", True) else None,
                 "dtypes": {name: param.dtype for name, param in model.named_parameters()},
                 "buffers": {name: buffer.clone() for name, buffer in model.named_buffers()},
+                "differ": differing_rows(model, options["model_dir"], dtype) if options.get("compare_rows") else None,
             }
             for limit in options.get("export_limits", []):
                 write_sharded(model, out / f"export-{dtype_name}-{limit}", limit, rank == 0)
@@ -331,3 +334,21 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
         dist.destroy_process_group()
     torch.save(result, out / f"rank{rank}.pt")
     return result
+
+
+def differing_rows(model: torch.nn.Module, model_dir: str, dtype: torch.dtype) -> list[str]:
+    """The parameters and buffers of a sharded ``model`` whose local rows differ (bitwise) from the same rows of
+    ``from_pretrained(model_dir)``: each rank checks its own rows, nothing is gathered."""
+    import transformers
+
+    from lightning_zenflow.llm.sharded_load import local_rows
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    expected = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    differ = []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        local, start, stop = local_rows(tensor.detach())
+        whole = expected[name].detach()
+        if not torch.equal(local, whole[start:stop] if whole.dim() else whole):
+            differ.append(name)
+    return differ

@@ -135,6 +135,7 @@ def checkpointed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
     # zenflow_fsdp exporting at every checkpoint (steps 3 and 6), with and without recomputing the activations
     fsdp = {**common, "strategy": "zenflow_fsdp", "devices": 2, "batch_size": PER_RANK_BATCH, "checkpoint_every": 3}
+    fsdp["knobs"] = {**KNOBS, "checkpoint_format": "full"}  # one .ckpt file, read whole below
     fits["fsdp_recompute"] = {**fsdp, "module": {"activation_checkpointing": True, "export_on_checkpoint": True}}
     fits["fsdp_plain"] = {**fsdp, "module": {"export_on_checkpoint": True}}
     return {"root": root, "model_dir": pathlib.Path(common["model_dir"]), "results": launch(root, fits)}

@@ -216,7 +216,10 @@ def load_rows(model: torch.nn.Module, folder: str | Path) -> None:
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         also = f"; the files hold {', '.join(unexpected[:3])}, ... instead" if unexpected else ""
-        raise ShardedLoadError(f"the safetensors files in {folder} hold no {shown}{also}: {_fix()}.")
+        raise ShardedLoadError(
+            f"the safetensors files in {folder} hold no {shown}{also}: check that the folder's config and weights are "
+            f"of one model (--model.model_path), {_fix()}."
+        )
 
 
 def _read_tensor_rows(file: Any, data_start: int, entry: Mapping[str, Any], target: torch.Tensor) -> None:

@@ -56,7 +56,10 @@ def load_sharded(model: torch.nn.Module, folder: str, mesh: Any, device: torch.d
     model.to_empty(device=device)  # this rank's rows of every parameter, uninitialised
     restore_buffers(model, buffers)
     if tied and model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        raise RuntimeError("the tied embeddings came apart when the shards were materialised")
+        # FSDP2's DTensors keep their identity through to_empty (swapped in place), plain parameters do not
+        model.tie_weights()
+        if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+            raise RuntimeError("the tied embeddings came apart when the shards were materialised")
     load_rows(model, folder)
 
 
