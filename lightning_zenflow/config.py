@@ -140,7 +140,8 @@ class ZenFlowConfig:
     checkpoint_format: Literal["full", "sharded"] = "full"
     """``"full"``: one ``.ckpt`` file, the optimizer state consolidated in torch AdamW format (on rank 0 under data
     parallel). ``"sharded"``: a directory where every rank writes its share through torch.distributed.checkpoint,
-    for models whose consolidated state does not fit one host; it resumes at any number of ranks, under ZenFlow."""
+    for models whose consolidated state does not fit one host; it resumes at any number of ranks, under ZenFlow.
+    ``zenflow_fsdp`` defaults to ``"sharded"`` (no rank gathers the model); ``"full"`` there is for small models."""
 
     def __post_init__(self) -> None:
         # frozen dataclass: normalise through object.__setattr__
