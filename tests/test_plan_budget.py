@@ -5,7 +5,8 @@ device and on 2 ranks, data parallel (each rank its row block of the host state)
 
 The planner's count (``lightning_zenflow.plan``'s rows: ``engine_device``, the largest rank, and ``engine_host``,
 the first machine's ranks together) is compared with ``engine.device_bytes()`` and ``engine.host_bytes()`` after the
-first selection and a landing. On a CPU there is no landing buffer (``engine/budget.py``)."""
+first selection and a landing. On a CPU there is no landing buffer (``engine/budget.py``). The 2-rank jobs include the
+setting the plan recommends for Llama-3.1-70B on 8 x 80 GB (``topk_ratio=0.05`` in device mode under FSDP2)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,8 @@ TWO_RANK_JOBS = [
     {"knobs": {"accumulate_on": "device", "host_state": "fp32"}, "weight_decay": 0.0, "l2": False},
     {"knobs": {"accumulate_on": "host"}, "weight_decay": 0.0, "l2": False},
     {"knobs": {"accumulate_on": "device"}, "weight_decay": 0.1, "l2": True},
+    # what the plan recommends for Llama-3.1-70B on 8 x 80 GB (configs/llm_70b.yaml): fewer columns on the device
+    {"knobs": {"accumulate_on": "device", "topk_ratio": 0.05}, "weight_decay": 0.0, "l2": False},
 ]
 
 

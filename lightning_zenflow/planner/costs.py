@@ -233,11 +233,12 @@ def evaluate(shapes: ModelShapes, setting: Setting, machine: Machine, work: Work
         _engine_bytes(row, shapes, setting, machine, work)
     device["activations"] = activations + _gathered(shapes, setting, work)
     whole_weights = b * shapes.parameters
-    largest = largest_tensor_bytes(shapes, b)
+    loaded = 4 if setting.kind == "adamw" else b  # plain AdamW runs bf16-mixed: fp32 weights
+    largest = largest_tensor_bytes(shapes, loaded)
     if fsdp:
         # built on meta, sharded, each rank reads its own rows: its share and a tensor's slice at a time
-        row.device_loading = 0 if cpu else b * max(numel) + LOADING_TENSORS * largest
-        on_host = b * max(numel) if cpu else 0  # the CPU stand-in's "device" is the host
+        row.device_loading = 0 if cpu else device["weights"] + LOADING_TENSORS * largest
+        on_host = device["weights"] if cpu else 0  # the CPU stand-in's "device" is the host
         row.host_loading = local * (on_host + LOADING_TENSORS * largest)
     else:
         weight_file = min(shapes.largest_file_bytes or DEFAULT_WEIGHT_FILE_BYTES, whole_weights)

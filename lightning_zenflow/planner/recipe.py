@@ -12,6 +12,8 @@ from lightning_zenflow.planner.machine import GB
 from lightning_zenflow.planner.report import MODULE_DTYPE, row_knobs
 from lightning_zenflow.planner.sizes import PlanError
 
+LAUNCH_SECTION = "Llama-3.1-70B on one machine of 8 GPUs, and Qwen2.5-72B on two"
+"""The section of docs/distributed.md with the launch commands on one machine and on several."""
 STRATEGY_CLASSES = {
     "single": "lightning_zenflow.ZenFlowStrategy",
     "ddp": "lightning_zenflow.ZenFlowStrategy",
@@ -52,6 +54,17 @@ def _header(plan: Any, row: Row, command: str, path: Path) -> list[str]:
             f"- step: about {row.step_s:.3g} s at S = {row.interval} (the host step is {hidden})"
             + (f"; synchronous offload: about {sync.step_s:.3g} s" if sync is not None else "")
         )
+    if plan.largest_batch is not None:
+        lines.append(
+            f"- batch: {work.batch_size} x {work.block_size} tokens per rank; the largest that fits is "
+            f"{plan.largest_batch} (data.batch_size)"
+        )
+    if layout == "fsdp2":
+        lines.append(
+            f"- FSDP2{' (HSDP: sharded within a machine, replicated across machines)' if machine.nodes > 1 else ''}: "
+            f"each rank reads its own rows of the weights ({_gb(row.device_loading)} per GPU at the peak), "
+            "checkpoints are sharded, the export is gathered a tensor at a time"
+        )
     lines += [
         "",
         "Train on your data (text files, or a .jsonl of instructions; docs/llm.md):",
@@ -60,14 +73,17 @@ def _header(plan: Any, row: Row, command: str, path: Path) -> list[str]:
         "--data.data_path my_data.jsonl",
         "",
         "model_path is any causal LM transformers loads: a local Hugging Face folder, a .gguf file, or a Hub name "
-        "where the machine reaches the Hub. No checkpoints are saved"
+        "where the machine reaches the Hub. "
         + (
-            "."
+            "A checkpoint every 500 steps."
             if work.checkpoints
-            else ": each would merge the optimizer state in fp32 in host memory (12 B per parameter); plan with "
-            "--checkpoints before adding a ModelCheckpoint."
+            else "No checkpoints are saved: each would merge the optimizer state in fp32 in host memory (12 B per "
+            f"parameter{', each rank its share' if layout == 'fsdp2' else ' on rank 0'}); plan with --checkpoints "
+            "before adding a ModelCheckpoint."
         ),
     ]
+    if machine.nodes > 1 or machine.devices > 1:
+        lines += ["", f"Launch: docs/distributed.md, {LAUNCH_SECTION!r}."]
     wrapped = []
     for line in lines:
         if line.startswith("- "):
@@ -109,6 +125,9 @@ def config_yaml(plan: Any, command: str, path: Path) -> str:
             "        every_n_train_steps: 500",
             "        save_top_k: -1",
         ]
+    sample = 'sample_prompt: "The json module"'
+    if row.setting.layout == "fsdp2":  # a sample generates from the whole model, gathered on rank 0's host
+        sample = "sample_prompt: null  # under FSDP2 a sample would gather the whole model on rank 0's host"
     body = f"""seed_everything: 0
 trainer:
   accelerator: gpu
@@ -139,7 +158,7 @@ model:
     weight_decay: 0.0
     warmup_steps: 20
     export_dir: {root}/export
-    sample_prompt: "The json module"
+    {sample}
     sample_tokens: 32
 data:
   class_path: lightning_zenflow.llm.CausalLMDataModule
