@@ -313,6 +313,7 @@ def hsdp_fit(out: pathlib.Path, options: dict) -> None:
         )
     module = MeshModule(
         mesh_shape=options.get("mesh"),
+        lightning_mesh=bool(options.get("lightning_mesh")),
         shard="all" if fsdp else "none",
         samples=options.get("samples", 48),
         batch_size=options["batch_size"],
@@ -356,13 +357,15 @@ def _mesh_module_class() -> type:
 
     class _MeshModule(ddp_script.ShardedModule):
         """ddp_script's sharded module, 8 -> 24 -> 8, sharded on the strategy's ``shard_mesh`` (ZenFlow), on the
-        ``[replicas, shard]`` mesh ``mesh_shape`` (torch AdamW's HSDP control), or on every rank."""
+        ``[replicas, shard]`` mesh ``mesh_shape`` (torch AdamW's HSDP control), or on Lightning's
+        ``device_mesh["data_parallel"]`` (every rank; also with ``lightning_mesh``, as a module written for FSDP)."""
 
         out_features = 8
 
-        def __init__(self, mesh_shape: list[int] | None = None, **kwargs: Any) -> None:
+        def __init__(self, mesh_shape: list[int] | None = None, lightning_mesh: bool = False, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.mesh_shape = mesh_shape
+            self.lightning_mesh = lightning_mesh
             self.placements: list[str] = []
             self.engine_ranks: dict | None = None
 
@@ -375,7 +378,7 @@ def _mesh_module_class() -> type:
             mesh = getattr(self.trainer.strategy, "shard_mesh", None)
             if self.mesh_shape is not None:
                 mesh = init_device_mesh("cpu", tuple(self.mesh_shape), mesh_dim_names=("replicate", "shard"))
-            elif mesh is None:
+            elif mesh is None or self.lightning_mesh:
                 mesh = self.device_mesh["data_parallel"]
             for layer in self.net:
                 if isinstance(layer, nn.Linear):

@@ -10,7 +10,8 @@ Default suite: 2 machines of 1 rank (HSDP 2 x 1: a replica per machine) equal on
 write a sharded checkpoint whose replicated blocks are written once; ``shard_size`` is checked. Slow tier (4 ranks):
 HSDP 2 x 2 equals ``fully_shard`` on the same 2-D mesh with torch AdamW in the exact setting (also clipped by norm),
 and one process on the global batch; a sharded checkpoint written at 4 ranks resumes at 2, and one written under
-HSDP 2 x 2 resumes at 4 ranks of plain FSDP, each as the rest of the uninterrupted run.
+HSDP 2 x 2 resumes at 4 ranks of plain FSDP (and back), each as the rest of the uninterrupted run; the ``"full"``
+file under HSDP; a module sharded on Lightning's 1-D mesh under HSDP is refused with the fix.
 """
 
 from __future__ import annotations
@@ -115,8 +116,12 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "hsdp_adamw_clipped": {**TWO_BY_TWO, "strategy": "adamw", "mesh": [2, 2], "gradient_clip_val": 0.05},
         "hsdp": HSDP,
         "fsdp4": FSDP4,
-        # the HSDP 2 x 2 directory read by 4 ranks of plain FSDP (one machine of 4)
+        # the HSDP 2 x 2 directory read by 4 ranks of plain FSDP (one machine of 4), and the other way
         "fsdp4_from_hsdp": {"devices": 4, "strategy": KNOBS, "ckpt_path": str(root / "hsdp" / "step=4.ckpt")},
+        "hsdp_from_fsdp4": {**HSDP, "ckpt_path": str(root / "fsdp4" / "step=4.ckpt")},
+        # the single file, gathered over each shard group and written by rank 0, resumed under HSDP
+        "hsdp_full": {**HSDP, "strategy": {**HSDP["strategy"], "checkpoint_format": "full"}},
+        "hsdp_from_full": {**HSDP, "ckpt_path": str(root / "hsdp_full" / "step=4.ckpt")},
     }
     results = launch(root, fits, world=4)
     two = {"devices": 2, "strategy": KNOBS, "ckpt_path": str(root / "fsdp4" / "step=4.ckpt")}
@@ -177,3 +182,29 @@ def test_a_sharded_checkpoint_under_hsdp_resumes_at_four_ranks_of_fsdp(four: dic
     assert resumed[0]["mesh_shape"] == (4,)
     assert resumed[0]["global_step"] == 8
     assert_weights_close(resumed[0]["weights"], uninterrupted[0]["weights"], atol=1e-6, rtol=1e-5)
+    # and back: written by 4 ranks of FSDP, resumed under HSDP 2 x 2
+    back = four["results"]["hsdp_from_fsdp4"]
+    assert back[0]["mesh_shape"] == (2, 2)
+    assert_weights_close(back[0]["weights"], four["results"]["fsdp4"][0]["weights"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_under_hsdp_is_one_file_that_resumes(four: dict) -> None:
+    saved = four["root"] / "hsdp_full" / "step=4.ckpt"
+    assert saved.is_file()
+    assert "zenflow" in torch.load(saved, weights_only=False)  # the whole state, gathered within a shard group
+    uninterrupted, resumed = four["results"]["hsdp_full"], four["results"]["hsdp_from_full"]
+    assert_weights_equal(uninterrupted[0]["weights"], four["results"]["hsdp"][0]["weights"])  # the format: no change
+    assert resumed[0]["global_step"] == 8
+    assert_weights_close(resumed[0]["weights"], uninterrupted[0]["weights"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_module_sharded_on_the_data_parallel_mesh_under_hsdp_is_refused(tmp_path: pathlib.Path) -> None:
+    options = {"entry": ENTRY, "devices": 1, "num_nodes": 2, "batch_size": 6, "lightning_mesh": True}
+    options["strategy"] = {**KNOBS, "shard_size": "auto"}
+    done = Zygote.run(tmp_path, {"batch": [[str(tmp_path / "fit"), options]]}, world=2, timeout_s=120)
+    assert done["codes"] == [1, 1]
+    log = pathlib.Path(done["logs"][0]).read_text()
+    assert "fully_shard(module, mesh=self.trainer.strategy.shard_mesh)" in log
+    assert "HSDP's (replicate, shard) mesh" in log
