@@ -29,6 +29,13 @@ selection made at step 1 (what the default engine keeps) still captures.
 
     python benchmarks/finetune_quality.py            # 31 fine-tunes: 10-20 minutes on 2 cores, plus 3 for a new base
     python benchmarks/finetune_quality.py --quick    # smoke run, < 20 s
+    python benchmarks/finetune_quality.py --lrs 5e-4 1e-3 2e-3 4e-3 --main-rows zenflow --ablations zenflow-S8 \
+        --seeds 2 --finetune-schedule constant     # best against best: each optimizer at its best rate
+
+``--lrs``: every chosen row runs at each rate (a factor of 2 apart, bracketing AdamW's best); the tables then give the
+final held-out loss per rate and, per row, its best rate (lowest mean over seeds) against AdamW's best, paired by seed,
+and the largest ratio of its held-out loss to AdamW's at the same rate, seed and evaluation step (a spike or a
+divergence where AdamW has none shows there).
 """
 
 from __future__ import annotations
@@ -107,6 +114,7 @@ ABLATION_ROWS = (
         "rho 0, S 4, overlap off: one AdamW step per window",
     ),
     Row("refresh-16", {**PAPER, "select_strategy": "step", "select_interval": 16}, "re-select every 16 steps"),
+    Row("zenflow-S8", {"update_interval": 8}, "the defaults with a window of 8"),
     Row("warm-up-10", {**PAPER, "full_warm_up_rounds": 10}, "first 10 steps full synchronous AdamW"),
     Row("l1", {**PAPER, "importance": "l1"}, "column score: L1 sum instead of squared L2"),
     Row("land-after-1", {**PAPER, "land_after": 1}, "host update lands 1 step after its window, not a window later"),
@@ -186,6 +194,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--finetune-batch", type=int, default=None, help="default 8 (quick 4).")
     parser.add_argument("--finetune-lr", type=float, default=1e-3, help="peak lr (default 1e-3).")
+    parser.add_argument(
+        "--lrs", type=float, nargs="+", default=None, help="a sweep: every chosen row at each of these peak rates."
+    )
     parser.add_argument("--finetune-warmup", type=int, default=None, help="lr warm-up steps (default 10; quick 2).")
     parser.add_argument(
         "--finetune-schedule", choices=("cosine", "constant"), default="cosine", help="after warm-up (cosine to 10 %%)."
@@ -612,14 +623,14 @@ class Setting:
         """The fine-tuning batch of windows of the prose corpus starting at ``starts``."""
         return bench_utils.windows(self.corpora.prose_train, starts, self.args.block_size)
 
-    def start(self, seed: int) -> tuple[torch.nn.Module, torch.optim.AdamW, Any, torch.Tensor]:
+    def start(self, seed: int, lr: float) -> tuple[torch.nn.Module, torch.optim.AdamW, Any, torch.Tensor]:
         """A fine-tune's model (the base), optimizer, lr schedule and batch starts (fixed by ``seed``)."""
         args = self.args
         torch.manual_seed(seed)
         model = demo_gpt(args)
         model.load_state_dict(self.base)
         model.to(getattr(torch, args.weights_dtype))
-        optimizer = make_optimizer(model, args.finetune_lr)
+        optimizer = make_optimizer(model, lr)
         scheduler = lr_schedule(optimizer, args.finetune_warmup, args.finetune_schedule, args.finetune_steps)
         starts = random_batches(
             self.corpora.prose_train, args.finetune_steps, args.finetune_batch, args.block_size, seed, "fine"
@@ -643,10 +654,11 @@ def fp32_view(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).float()
 
 
-def finetune(row: Row, seed: int, setting: Setting) -> dict[str, Any]:
+def finetune(row: Row, seed: int, setting: Setting, lr: float | None = None) -> dict[str, Any]:
     """One fine-tune from the base: held-out loss at step 0, every ``eval_every`` steps and at the end."""
     args = setting.args
-    model, optimizer, scheduler, starts = setting.start(seed)
+    lr = args.finetune_lr if lr is None else lr
+    model, optimizer, scheduler, starts = setting.start(seed, lr)
     config = None if row.knobs is None else ZenFlowConfig(**row.knobs)
     probes: list[dict[str, Any]] = []
 
@@ -678,7 +690,9 @@ def finetune(row: Row, seed: int, setting: Setting) -> dict[str, Any]:
         for record in entry["matrices"].values():
             record["selected"] = record["selected"].tolist()
     return {
-        "row": row.name,
+        "row": row.name if args.lrs is None else f"{row.name} lr={lr:g}",
+        "optimizer": row.name,
+        "lr": lr,
         "seed": seed,
         "config": None if config is None else dataclasses.asdict(config),
         "eval_steps": curve.eval_steps,
@@ -830,6 +844,69 @@ def plot(summary: dict[str, dict[str, Any]], names: list[str], path: pathlib.Pat
     bench_utils.save_figure(plt, figure, by_step, path, title)
 
 
+def best_of_rates(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``--lrs``: per row, the mean final loss at each rate, its best rate, its gap at that rate to AdamW at AdamW's
+    best (paired by seed), and the largest ratio of its held-out loss to AdamW's at the same rate, seed and step."""
+    finals: dict[str, dict[float, dict[int, float]]] = {}
+    curves = {(run["optimizer"], run["lr"], run["seed"]): run["eval_loss"] for run in runs}
+    for run in runs:
+        finals.setdefault(run["optimizer"], {}).setdefault(run["lr"], {})[run["seed"]] = run["final_eval_loss"]
+
+    def mean(losses: dict[int, float]) -> float:
+        return statistics.fmean(losses.values()) if all(math.isfinite(v) for v in losses.values()) else math.inf
+
+    best = {name: min(per_rate, key=lambda lr: mean(per_rate[lr])) for name, per_rate in finals.items()}
+    adamw = finals["adamw"][best["adamw"]]
+    result = {}
+    for name, per_rate in finals.items():
+        chosen = per_rate[best[name]]
+        gaps = [100 * (loss / adamw[seed] - 1) for seed, loss in chosen.items() if seed in adamw]
+        worst = {}
+        for lr in per_rate:
+            ratios = [
+                own / reference
+                for seed in per_rate[lr]
+                for own, reference in zip(curves[name, lr, seed], curves.get(("adamw", lr, seed), []))
+            ]
+            worst[lr] = max(ratios) if ratios else None
+        result[name] = {
+            "mean_by_lr": {lr: mean(losses) for lr, losses in sorted(per_rate.items())},
+            "best_lr": best[name],
+            "best_gap_percent": gaps,
+            "worst_ratio_to_adamw_by_lr": worst,
+        }
+    return result
+
+
+def print_best_of_rates(best: dict[str, dict[str, Any]]) -> None:
+    rates = sorted(next(iter(best.values()))["mean_by_lr"])
+    bench_utils.print_table(
+        "\nFinal held-out loss per peak rate (mean over seeds); worst: the largest held-out loss / AdamW's at the "
+        "same rate, seed and step",
+        ["row", *[f"lr {lr:g}" for lr in rates], *[f"worst {lr:g}" for lr in rates]],
+        [
+            [name, *[entry["mean_by_lr"].get(lr) for lr in rates]]
+            + [entry["worst_ratio_to_adamw_by_lr"].get(lr) for lr in rates]
+            for name, entry in best.items()
+        ],
+        digits=4,
+    )
+    bench_utils.print_table(
+        "\nBest against best: each row at its best rate, gap to AdamW at AdamW's best (paired by seed)",
+        ["row", "best lr", "final held-out loss", "vs AdamW's best"],
+        [
+            [
+                name,
+                f"{entry['best_lr']:g}",
+                entry["mean_by_lr"][entry["best_lr"]],
+                bench_utils.pm(entry["best_gap_percent"], 2, " %") if name != "adamw" else "-",
+            ]
+            for name, entry in best.items()
+        ],
+        digits=4,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_rows:
@@ -883,6 +960,9 @@ def main(argv: list[str] | None = None) -> int:
         plan += [(row, seed) for seed in range(args.sync_seeds if row.name == "sync-offload" else args.seeds)]
     chosen = [row for row in ABLATION_ROWS if row.name in args.ablations]
     plan += [(row, seed) for row in chosen for seed in range(args.ablation_seeds)]
+    if args.lrs is not None:  # the sweep: every row at every rate, the seeds of the main rows
+        plan = [(row, seed) for row in (*main_rows, *chosen) for seed in range(args.seeds)]
+    rates = args.lrs or [args.finetune_lr]
     if any(row.name != "adamw" and seed >= args.seeds for row, seed in plan):
         print(f"note: rows with more seeds than the {args.seeds} AdamW seeds report gaps over the paired seeds only")
 
@@ -901,13 +981,20 @@ def main(argv: list[str] | None = None) -> int:
         rows={row.name: {"knobs": row.knobs, "what": row.what} for row in (*main_rows, *chosen)},
         runs=runs,
     )
-    for index, (row, seed) in enumerate(plan, start=1):
-        print(f"[{index}/{len(plan)}] {row.name} seed {seed} ...", end="", flush=True)
-        run = finetune(row, seed, setting)
+    plan_by_rate = [(row, seed, lr) for lr in rates for row, seed in plan]
+    for index, (row, seed, lr) in enumerate(plan_by_rate, start=1):
+        print(f"[{index}/{len(plan_by_rate)}] {row.name} lr {lr:g} seed {seed} ...", end="", flush=True)
+        run = finetune(row, seed, setting, lr)
         runs.append(run)
         print(f" held-out {run['eval_loss'][0]:.4f} -> {run['final_eval_loss']:.4f} ({run['train_s']:.1f} s)")
         bench_utils.write_partial(args.out, payload)  # a run cut short keeps what it measured
 
+    if args.lrs is not None:
+        best = best_of_rates(runs)
+        print_best_of_rates(best)
+        payload.update(best_of_rates=best, total_s=time.perf_counter() - started)
+        bench_utils.write_results(args.out, payload)
+        return 0 if all(math.isfinite(run["final_eval_loss"]) for run in runs) else 1
     summary = summarise(runs)
     print_tables(summary, [*main_rows, *chosen])
     probes = summarise_probes([run["probes"] for run in runs if run["row"] == "adamw"])

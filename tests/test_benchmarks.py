@@ -287,6 +287,27 @@ def test_finetune_quality_quick(tmp_path: pathlib.Path) -> None:
     assert all(0.0 <= entry["jaccard_prev"] <= 1.0 for entry in steps[1:])
 
 
+@pytest.mark.slow
+def test_finetune_quality_sweeps_rates_and_reports_best_against_best(tmp_path: pathlib.Path) -> None:
+    """``--lrs``: every row at every rate; the best rate and the paired gap at it are recomputed from the raw runs."""
+    extra = ("--cache", str(tmp_path / "cache"), "--lrs", "1e-3", "4e-3", "--main-rows", "zenflow")
+    stdout, result, _ = run_quick("finetune_quality", tmp_path, *extra, "--ablations", "zenflow-S8")
+    assert "Best against best" in stdout
+    assert "per peak rate" in stdout
+    runs = result["runs"]
+    assert sorted({(run["optimizer"], run["lr"]) for run in runs}) == [
+        (name, lr) for name in ("adamw", "zenflow", "zenflow-S8") for lr in (1e-3, 4e-3)
+    ]
+    final = {(run["optimizer"], run["lr"]): run["final_eval_loss"] for run in runs}  # one seed in --quick
+    best = result["best_of_rates"]
+    for name in ("adamw", "zenflow", "zenflow-S8"):
+        best_lr = min((1e-3, 4e-3), key=lambda lr: final[name, lr])
+        assert best[name]["best_lr"] == best_lr
+        expected = 100 * (final[name, best_lr] / final["adamw", best["adamw"]["best_lr"]] - 1)
+        assert best[name]["best_gap_percent"] == [pytest.approx(expected)]
+        assert all(ratio >= 1.0 for ratio in best[name]["worst_ratio_to_adamw_by_lr"].values())  # step 0: the base
+
+
 def test_real_lm_quick(tmp_path: pathlib.Path) -> None:
     """The real-LLM benchmark's smoke run: a tiny random Llama on byte tokens (no download), AdamW against ZenFlow
     through the Trainer, the held-out curve and the paired gap."""
