@@ -126,7 +126,8 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     results = launch(root, fits, world=4)
     two = {"devices": 2, "strategy": KNOBS, "ckpt_path": str(root / "fsdp4" / "step=4.ckpt")}
     results |= launch(root, {"fsdp2_from_fsdp4": two}, world=2)
-    results |= launch(root, {"one": {"devices": 1, "fsdp": False, "strategy": KNOBS}}, world=1)
+    one_clipped = {"devices": 1, "fsdp": False, "strategy": EXACT, "gradient_clip_val": 0.05}
+    results |= launch(root, {"one": {"devices": 1, "fsdp": False, "strategy": KNOBS}, "one_clipped": one_clipped}, 1)
     return {"root": root, "results": results}
 
 
@@ -149,6 +150,8 @@ def test_hsdp_two_by_two_equals_fully_shard_on_the_same_mesh_with_adamw(four: di
     unclipped = adamw[0]["weights"]
     moved = max((adamw_clipped[0]["weights"][k] - unclipped[k]).abs().max().item() for k in unclipped)
     assert moved > 1e-4, f"the threshold did not clip (weights moved by {moved:.1e} at most)"
+    # one process clips by the whole gradient's norm: the replicas' copies of a shard are not counted twice
+    assert_weights_close(clipped[0]["weights"], four["results"]["one_clipped"][0]["weights"], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow
