@@ -222,8 +222,12 @@ def test_the_python_twin_takes_any_module_and_a_lightning_module(tmp_path: pathl
 
 @pytest.mark.parametrize(
     ("options", "strategy"),
-    [({}, "class_path: lightning_zenflow.ZenFlowStrategy"), ({"devices": 2, "layout": "fsdp2"}, "ZenFlowFSDPStrategy")],
-    ids=["one-device", "fsdp2"],
+    [
+        ({}, "class_path: lightning_zenflow.ZenFlowStrategy"),
+        ({"devices": 2, "layout": "fsdp2"}, "ZenFlowFSDPStrategy"),
+        ({"devices": 2, "nodes": 2, "layout": "hsdp"}, "shard_size: auto"),
+    ],
+    ids=["one-device", "fsdp2", "hsdp"],
 )
 def test_the_recommended_command_runs_through_the_cli(
     options: dict, strategy: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch

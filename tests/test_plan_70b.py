@@ -133,6 +133,7 @@ def test_qwen_72b_fits_two_machines_of_8_gpus_under_hsdp(capsys: pytest.CaptureF
     assert recommended["fits"]
     assert recommended["update_interval"] <= 8
     assert "--trainer.num_nodes=2" in result["recommended"]["command"]
+    assert "--trainer.strategy.shard_size=auto" in result["recommended"]["command"]
     # sharded within a machine: each machine holds the whole model's host state, each GPU 1/8 of the weights
     parameters = result["parameters"]
     assert recommended["engine_host_bytes"] / parameters == pytest.approx(6, rel=0.01)

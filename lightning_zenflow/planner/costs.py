@@ -56,11 +56,12 @@ PROCESS_BYTES = 3 * 2**30
 DEFAULT_WEIGHT_FILE_BYTES = 5 * 10**9
 """The largest weight file when the model's files are not on this machine (Hugging Face's shards are 5 GB or less)."""
 LOADING_TENSORS = 1
-"""FSDP2's loading holds, beside the rank's share, about this many of the model's largest tensor (the slice being
-read, in the weights' dtype), on the device and on the host of each rank."""
-EXPORT_TENSORS = 2
-"""FSDP2's export holds on rank 0's host this many of the largest tensor: the one gathered and its bytes on their
-way to the file (the export is written a tensor at a time; no rank gathers the model)."""
+"""FSDP2's loading holds, beside the rank's share, at most this many of the model's largest tensor, on the device and
+on the host of each rank (``llm/sharded_load.py`` reads each tensor's rows straight into the shard, through one host
+buffer of a tensor's rows where the dtype or the device need a conversion: the bound is generous)."""
+EXPORT_TENSORS = 1
+"""FSDP2's export holds on rank 0's host this many of the largest tensor: ``llm/sharded_export.py`` all-gathers one
+tensor at a time (``DTensor.full_tensor``) and rank 0 appends its bytes to the current safetensors file."""
 CHECKPOINT_BYTES = 12
 """Bytes per parameter of a checkpoint's merged fp32 state (master and two moments): on rank 0's host for a full
 checkpoint, each rank its share for a sharded one (FSDP2's default)."""

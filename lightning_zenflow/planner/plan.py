@@ -111,7 +111,8 @@ def plan(
             folder, a ``config.json``, a ``.gguf`` file, ``pypi:<package>`` or a Hub name), built on the meta device.
         device_memory, host_memory: per device and per machine, bytes or sizes such as ``"141GB"``, ``"128GiB"``;
             default: this machine's GPU and RAM (without a GPU the CPU stand-in: the device is host memory).
-        devices, nodes: devices per machine and machines; more than one rank adds data parallel and FSDP2 rows.
+        devices, nodes: devices per machine and machines; more than one rank adds data parallel and FSDP2 rows (HSDP
+            on several machines: sharded within a machine, ``shard_size="auto"``) and the peers' rows.
         precision: Lightning's ``precision`` ("bf16-true", "32-true", "bf16-mixed", "16-mixed").
         batch_size, block_size: sequences per rank and step, and tokens per sequence (the activations, the FLOPs).
         activation_checkpointing: recompute each decoder block in the backward (``--model.activation_checkpointing``).
@@ -122,8 +123,9 @@ def plan(
         fwd_bwd_s: one step's forward and backward as measured; None: from the FLOPs.
         example_input: what a module that is not a Hugging Face causal LM is called with, for its activations.
         weight_decay, l2_decay: the optimizer's decay of the matrices; ``l2_decay`` for Adam's L2 term (a host master).
-        export: the fine-tune exports the model at the end (FSDP2 gathers it to rank 0's host).
-        checkpoints: the fit saves checkpoints (each merges the engine's state in fp32 on rank 0's host).
+        export: the fine-tune exports the model at the end (FSDP2: a tensor at a time through rank 0's host).
+        checkpoints: the fit saves checkpoints (each merges the engine's state in fp32: on rank 0's host, or under
+            FSDP2 each rank its share, ``checkpoint_format="sharded"``).
     """
     if precision not in PRECISIONS:
         raise PlanError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}.")

@@ -111,7 +111,10 @@ def config_yaml(plan: Any, command: str, path: Path) -> str:
         )
     work, machine = plan.workload, plan.machine
     model_path = plan.model_path or plan.model
-    knobs = "\n".join(f"      {name}: {_yaml_value(value)}" for name, value in row_knobs(row).items())
+    strategy_args = dict(row_knobs(row))
+    if row.setting.layout == "fsdp2" and machine.nodes > 1:
+        strategy_args["shard_size"] = "auto"  # HSDP: one machine per shard group, the machines are replicas
+    knobs = "\n".join(f"      {name}: {_yaml_value(value)}" for name, value in strategy_args.items())
     root = f"runs/{path.stem}"
     callbacks = [
         "    - class_path: lightning_zenflow.ZenFlowTelemetry",

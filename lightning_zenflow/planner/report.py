@@ -178,6 +178,8 @@ def command_args(plan: Any, row: Row) -> list[str]:
         return [*args, "--trainer.strategy=ddp" if machine.ranks > 1 else "--trainer.strategy=auto"]
     if row.setting.layout == "fsdp2":
         args.append(f"--trainer.strategy={STRATEGY_FSDP}")
+        if machine.nodes > 1:  # HSDP: one machine per shard group, the machines are replicas
+            args.append("--trainer.strategy.shard_size=auto")
     for name, value in row_knobs(row).items():
         args.append(f"--trainer.strategy.{name}={str(value).lower() if isinstance(value, bool) else value}")
     return args
