@@ -236,15 +236,15 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
 # --------------------------------------------------------------------- sharded loading and export (FSDP2 ranks)
 
 LOADING_LLAMA = {
-    "vocab_size": 8192,
+    "vocab_size": 16384,
     "hidden_size": 512,
     "intermediate_size": 1408,
     "num_hidden_layers": 12,
     "num_attention_heads": 8,
     "num_key_value_heads": 8,
 }
-"""A Llama of 42.7 M parameters (171 MB in float32, its largest tensor the tied 8192 x 512 embeddings, 16.8 MB): large
-enough that a rank's share of it stands well above the noise of a process's resident memory."""
+"""A Llama of 46.9 M parameters (188 MB in float32, its largest tensor the tied 16384 x 512 embeddings, 33.6 MB): large
+enough that a rank's share of it stands well above the noise of a process's resident memory (a few MiB)."""
 
 
 def save_random_llama(folder: pathlib.Path, max_shard_size: str, **sizes: int) -> pathlib.Path:
@@ -287,9 +287,9 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
 
     Writes (and returns) ``out/rank{r}.pt``: per dtype, the weights gathered whole (on every rank; not with
     ``options["gather"]`` false), the buffers, whether the embeddings are one parameter, this rank's peak resident
-    memory (``VmHWM``, KiB) after the model was built on meta and after it was loaded (reset to the resident memory
-    before the build), and with ``options["compare_rows"]`` the names whose rows differ from ``from_pretrained``'s
-    (:func:`differing_rows`, after the measurement)."""
+    memory (``VmHWM``, KiB) after the model was built and sharded on meta and after it was loaded (reset to the
+    resident memory before the build), and with ``options["compare_rows"]`` the names whose rows differ from
+    ``from_pretrained``'s (:func:`differing_rows`, after the measurement)."""
     import torch.distributed as dist
     import transformers
     from ddp_script import full_weights
@@ -297,7 +297,7 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
 
     from lightning_zenflow.llm.sharded_export import write_sharded
     from lightning_zenflow.llm.sharded_load import structure
-    from lightning_zenflow.llm.sharding import load_sharded
+    from lightning_zenflow.llm.sharding import load_sharded, shard_blocks
 
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
@@ -311,6 +311,7 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
             reset_peak()
             before_kib = peak_kib()
             model = structure(config, dtype)
+            shard_blocks(model, mesh)  # on meta: the structure, sharded, holds no weight
             meta_kib = peak_kib()
             load_sharded(model, options["model_dir"], mesh, torch.device("cpu"))
             loaded_kib = peak_kib()

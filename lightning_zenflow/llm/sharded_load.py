@@ -9,10 +9,10 @@ tables, ``inv_freq``) hold what the constructor computed, the values ``from_pret
 :func:`load_rows` reads the files itself: a safetensors file is an 8-byte header length, a JSON header (every tensor's
 dtype, shape and byte range) and the tensors' bytes, row-major. FSDP2's shard of a parameter is a contiguous block of
 its rows (``torch.chunk`` along dim 0), so this rank's part of a tensor is one contiguous byte range, read with plain
-``read`` calls straight into the shard's memory when the dtype and device allow it, else into one host buffer of that
-range and converted from there. No file is memory-mapped, so the page cache never counts in the rank's resident memory:
-each rank's peak above a model built on meta is its share of the weights plus one tensor's rows (the conversion
-buffer), measured in ``tests/test_llm_sharded_memory.py``.
+``read`` calls straight into the shard's memory when the dtype and device allow it, else through one reusable host
+buffer of 4 MiB (:data:`STAGING_BYTES`) and converted from there. No file is memory-mapped, so the page cache never
+counts in the rank's resident memory: each rank's peak above the model built and sharded on meta is its share of the
+weights plus at most that buffer (and a few MiB of bookkeeping), measured in ``tests/test_llm_sharded_memory.py``.
 
 Names are matched as ``from_pretrained`` matches them, with one exception: architectures whose files name their
 weights otherwise than their modules do (``transformers``' weight conversions: fused experts, renamed blocks) are
@@ -47,6 +47,8 @@ SAFETENSORS_DTYPES = {
 }
 READ_CHUNK_BYTES = 64 << 20
 """The largest single ``read`` (the kernel caps one read at 2 GiB anyway)."""
+STAGING_BYTES = 4 << 20
+"""The host buffer that rows go through when they need a conversion (another dtype, a GPU)."""
 
 
 class ShardedLoadError(ValueError):
@@ -193,6 +195,7 @@ def load_rows(model: torch.nn.Module, folder: str | Path) -> None:
     prefix = getattr(model, "base_model_prefix", "")
     loaded: set[int] = set()
     unexpected: list[str] = []
+    staging = _Staging()
     for path in weight_files(folder):
         header, data_start = read_header(path)
         with open(path, "rb", buffering=0) as file:
@@ -210,7 +213,7 @@ def load_rows(model: torch.nn.Module, folder: str | Path) -> None:
                         f"{path.name}: {key} has shape {shape}, the model's {name} {tuple(target.shape)}; the config "
                         f"does not describe these weights: check --model.model_path, {_fix()}."
                     )
-                _read_tensor_rows(file, data_start, entry, target)
+                _read_tensor_rows(file, data_start, entry, target, staging)
                 loaded.add(id(target))
     missing = [name for name, target in targets.items() if id(target) not in loaded]
     if missing:
@@ -222,7 +225,9 @@ def load_rows(model: torch.nn.Module, folder: str | Path) -> None:
         )
 
 
-def _read_tensor_rows(file: Any, data_start: int, entry: Mapping[str, Any], target: torch.Tensor) -> None:
+def _read_tensor_rows(
+    file: Any, data_start: int, entry: Mapping[str, Any], target: torch.Tensor, staging: _Staging
+) -> None:
     """Read the rows of one file tensor that this rank's part of ``target`` holds, into it."""
     file_dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
     if file_dtype is None:
@@ -234,14 +239,32 @@ def _read_tensor_rows(file: Any, data_start: int, entry: Mapping[str, Any], targ
     if stop == start:
         return
     shape = tuple(entry["shape"])
-    row_bytes = math.prod(shape[1:]) * file_dtype.itemsize if shape else file_dtype.itemsize
+    row_shape = shape[1:]
+    row_bytes = math.prod(row_shape) * file_dtype.itemsize
     offset = data_start + entry["data_offsets"][0] + start * row_bytes
-    direct = local.dtype == file_dtype and local.device.type == "cpu" and local.is_contiguous()
-    if direct:  # straight into the shard's memory
-        _read_into(file, offset, local)
+    if local.dtype == file_dtype and local.device.type == "cpu" and local.is_contiguous():
+        _read_into(file, offset, local)  # straight into the shard's memory
         return
-    # one host buffer of this rank's rows in the file's dtype, then converted (and copied to the device) by copy_
-    rows_host = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=file_dtype)
-    _read_into(file, offset, rows_host)
-    local.copy_(rows_host.view(local.shape))
-    del rows_host
+    # another dtype or device: through the host staging buffer, a few MiB of rows at a time; copy_ converts (and, to
+    # a GPU, copies synchronously: the buffer is free again when it returns)
+    rows = local.view(-1, *row_shape) if shape else local.view(1)
+    step = max(1, STAGING_BYTES // max(1, row_bytes))
+    for first in range(0, stop - start, step):
+        count = min(step, stop - start - first)
+        rows_host = staging.rows(count, row_shape, file_dtype)
+        _read_into(file, offset + first * row_bytes, rows_host)
+        rows[first : first + count].copy_(rows_host)
+
+
+class _Staging:
+    """One reusable host buffer for the rows that need a conversion: a fixed size, so converting adds at most
+    ``STAGING_BYTES`` (or one row, if larger) to the rank's peak, allocated once per load."""
+
+    def __init__(self) -> None:
+        self.bytes_host = torch.empty(0, dtype=torch.uint8)
+
+    def rows(self, count: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = count * math.prod(row_shape) * dtype.itemsize
+        if self.bytes_host.numel() < nbytes:
+            self.bytes_host = torch.empty(max(nbytes, STAGING_BYTES), dtype=torch.uint8)
+        return self.bytes_host[:nbytes].view(dtype).view(count, *row_shape)
