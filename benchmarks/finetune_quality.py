@@ -115,6 +115,7 @@ ABLATION_ROWS = (
     ),
     Row("refresh-16", {**PAPER, "select_strategy": "step", "select_interval": 16}, "re-select every 16 steps"),
     Row("zenflow-S8", {"update_interval": 8}, "the defaults with a window of 8"),
+    Row("zenflow-70b", {"topk_ratio": 0.05, "update_interval": 7}, "configs/llm_70b.yaml's setting: rho 0.05, S 7"),
     Row("warm-up-10", {**PAPER, "full_warm_up_rounds": 10}, "first 10 steps full synchronous AdamW"),
     Row("l1", {**PAPER, "importance": "l1"}, "column score: L1 sum instead of squared L2"),
     Row("land-after-1", {**PAPER, "land_after": 1}, "host update lands 1 step after its window, not a window later"),
