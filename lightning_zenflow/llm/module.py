@@ -191,6 +191,13 @@ class CausalLMFineTune(LightningModule):
         place = {"device_map": {"": device}} if device.type != "cpu" else {}
         self.model = self._prepared(AutoModelForCausalLM.from_pretrained(self.model_folder, dtype=dtype, **place))
 
+    def cpu(self) -> CausalLMFineTune:
+        # a fit that fails before setup reads the weights (bad data, say) tears down with the structure still on
+        # meta, and Lightning's teardown moves the module to the CPU: there is nothing to move, and meta cannot
+        if any(param.is_meta for param in self.model.parameters()):
+            return self
+        return super().cpu()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # load_from_checkpoint outside a Trainer: the weights the state dict is loaded into must exist
         if self._trainer is None:
