@@ -116,6 +116,9 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "hsdp_adamw_clipped": {**TWO_BY_TWO, "strategy": "adamw", "mesh": [2, 2], "gradient_clip_val": 0.05},
         "hsdp": HSDP,
         "fsdp4": FSDP4,
+        # a checkpoint inside a window at an epoch's end (3 steps an epoch, S = 2: step 3 holds the open window's
+        # gradient sum; Lightning restarts a checkpoint taken inside an epoch at the next epoch)
+        "fsdp4_mid": {**FSDP4, "checkpoint_every": 3, "samples": 36},
         # the HSDP 2 x 2 directory read by 4 ranks of plain FSDP (one machine of 4), and the other way
         "fsdp4_from_hsdp": {"devices": 4, "strategy": KNOBS, "ckpt_path": str(root / "hsdp" / "step=4.ckpt")},
         "hsdp_from_fsdp4": {**HSDP, "ckpt_path": str(root / "fsdp4" / "step=4.ckpt")},
@@ -125,7 +128,8 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
     results = launch(root, fits, world=4)
     two = {"devices": 2, "strategy": KNOBS, "ckpt_path": str(root / "fsdp4" / "step=4.ckpt")}
-    results |= launch(root, {"fsdp2_from_fsdp4": two}, world=2)
+    mid = {**two, "samples": 36, "ckpt_path": str(root / "fsdp4_mid" / "step=3.ckpt")}
+    results |= launch(root, {"fsdp2_from_fsdp4": two, "fsdp2_from_mid": mid}, world=2)
     one_clipped = {"devices": 1, "fsdp": False, "strategy": EXACT, "gradient_clip_val": 0.05}
     results |= launch(root, {"one": {"devices": 1, "fsdp": False, "strategy": KNOBS}, "one_clipped": one_clipped}, 1)
     return {"root": root, "results": results}
@@ -174,6 +178,15 @@ def test_a_sharded_checkpoint_at_four_ranks_resumes_at_two(four: dict) -> None:
     assert resumed[0]["global_step"] == 8
     assert [r["engine_ranks"] for r in resumed] == [{"rank": r, "world": 2, "replicas": 1} for r in range(2)]
     assert_weights_close(resumed[0]["weights"], uninterrupted[0]["weights"], atol=1e-6, rtol=1e-5)
+    # inside a window: the open window's gradient sum is saved by rows too, and re-split
+    mid = four["root"] / "fsdp4_mid" / "step=3.ckpt"
+    import torch.distributed.checkpoint as dcp
+
+    written = dcp.FileSystemReader(str(mid)).read_metadata().state_dict_metadata
+    assert tuple(written["zenflow.net.0.weight.grad_acc"].size) == (24, 8)  # the whole matrix's shape
+    from_mid, uninterrupted = four["results"]["fsdp2_from_mid"], four["results"]["fsdp4_mid"]
+    assert from_mid[0]["global_step"] == 8
+    assert_weights_close(from_mid[0]["weights"], uninterrupted[0]["weights"], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -248,6 +248,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
                 "Leave data_parallel_size='auto' (for HSDP, pass shard_size='auto' or a number of ranks instead)."
             )
         shard_size = resolve_shard_size(self._shard_size, world, self.num_processes)
+        self._hsdp_mesh = None
         super().setup_environment()  # the process group, and Lightning's ("data_parallel", "tensor_parallel") mesh
         if shard_size < world:
             from torch.distributed.device_mesh import init_device_mesh
