@@ -13,10 +13,13 @@ Covered: both ranks finish every fit, together training on every block once; the
 its held-out loss; rank 0 alone generates the sample, the export's greedy continuation; 2 ranks equal one process on
 the global batches (the last ``val_loss`` to 1e-5; the weights to the data-parallel tests' tolerance, but for a few
 of near-zero gradient, which Adam's step leaves within 6e-4: :func:`assert_close_up_to_adam_rounding`).
-Also covered: ``zenflow_ddp`` resumed from a checkpoint inside its epoch and inside a host window ends bitwise as the
-uninterrupted fit, each rank on the rest of its own batches; ``zenflow_fsdp`` with ``activation_checkpointing``
-recomputes every layer and trains as without it (to 1e-6), and with ``export_on_checkpoint`` every ``step-N`` folder
-holds its checkpoint's full weights, tied, and the final folder the final weights.
+Under ``zenflow_fsdp`` each rank reads only its own rows of the weight files and the export is written a tensor at
+a time (``tests/test_llm_sharded_load.py`` tests both alone); the same fit with every rank reading the whole model
+first (``load_weights="now"``) ends bitwise equal. Also covered: ``zenflow_ddp`` resumed from a checkpoint inside
+its epoch and inside a host window ends bitwise as the uninterrupted fit, each rank on the rest of its own batches;
+``zenflow_fsdp`` with ``activation_checkpointing`` recomputes every layer and trains as without it (to 1e-6), and with
+``export_on_checkpoint`` every ``step-N`` folder holds its checkpoint's full weights, tied, and the final folder the
+final weights.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         name: {**common, "strategy": name, "devices": 2, "batch_size": PER_RANK_BATCH, "sample_prompt": PROMPT}
         for name in STRATEGIES
     }
+    # the path before sharded loading: every rank reads the whole model at construction, then shards it
+    two["fsdp_read_whole"] = {**two["zenflow_fsdp"], "module": {"load_weights": "now"}, "sample_prompt": None}
     results = launch(root, two)
     # one process on the global batches of the 2 ranks (both strategies' ranks trained on the same ones)
     ranks = results[STRATEGIES[0]]
@@ -191,6 +196,26 @@ def test_two_ranks_equal_one_process_on_the_global_batches(runs: dict, name: str
         assert together == one["batches"][step], step
     assert_close_up_to_adam_rounding(ranks[0]["weights"], one["weights"])
     assert ranks[0]["validations"][-1][1] == pytest.approx(one["validations"][-1][1], abs=1e-5)
+
+
+def test_two_ranks_fsdp_reading_their_rows_train_as_reading_the_whole_model(runs: dict) -> None:
+    """``zenflow_fsdp`` with each rank reading its own rows (the default) and with every rank reading the whole model
+    at construction (``load_weights="now"``), then sharding it: the same fit, bitwise, and the same export."""
+    sharded, whole = runs["results"]["zenflow_fsdp"], runs["results"]["fsdp_read_whole"]
+    for rank_sharded, rank_whole in zip(sharded, whole):
+        assert rank_whole["sharded"]
+        assert rank_whole["tied"]
+        assert rank_sharded["batches"] == rank_whole["batches"]
+        assert rank_sharded["validations"] == rank_whole["validations"]
+        assert rank_sharded["weights"].keys() == rank_whole["weights"].keys()
+        for name, tensor in rank_whole["weights"].items():
+            assert torch.equal(rank_sharded["weights"][name], tensor), name
+    exported = {}
+    for name in ("zenflow_fsdp", "fsdp_read_whole"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(runs["root"] / name / "export", dtype=torch.float32)
+        exported[name] = model.state_dict()
+    for name, tensor in exported["fsdp_read_whole"].items():
+        assert torch.equal(exported["zenflow_fsdp"][name], tensor), name
 
 
 def assert_close_up_to_adam_rounding(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
