@@ -57,8 +57,8 @@ DEFAULT_WEIGHT_FILE_BYTES = 5 * 10**9
 """The largest weight file when the model's files are not on this machine (Hugging Face's shards are 5 GB or less)."""
 LOADING_TENSORS = 1
 """FSDP2's loading holds, beside the rank's share, at most this many of the model's largest tensor, on the device and
-on the host of each rank (``llm/sharded_load.py`` reads each tensor's rows straight into the shard, through one host
-buffer of a tensor's rows where the dtype or the device need a conversion: the bound is generous)."""
+on the host of each rank: an upper bound. ``llm/sharded_load.py`` reads each tensor's rows straight into the shard, or
+through a 4 MiB host buffer (``STAGING_BYTES``) where the dtype or the device need a conversion, so it holds less."""
 EXPORT_TENSORS = 1
 """FSDP2's export holds on rank 0's host this many of the largest tensor: ``llm/sharded_export.py`` all-gathers one
 tensor at a time (``DTensor.full_tensor``) and rank 0 appends its bytes to the current safetensors file."""
