@@ -281,7 +281,8 @@ def reset_peak() -> None:
 
 def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
     """On every rank (``tests/rank_zygote.py``): build ``options["model_dir"]``'s model as ``CausalLMFineTune`` does
-    (parameters on meta, buffers on the host), shard it over all ranks with FSDP2 and read each rank's rows
+    (parameters on meta, buffers on the host), shard it over all ranks with FSDP2 (with ``options["replicas"]``, HSDP:
+    a 2-D mesh of that many replicas of shard groups) and read each rank's rows
     (``load_sharded``), for every dtype of ``options["dtypes"]``; then export each with ``write_sharded`` into
     ``out/export-<dtype>-<limit>`` for every size limit of ``options["export_limits"]``.
 
@@ -302,7 +303,11 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+        if options.get("replicas"):  # HSDP: shard groups of world / replicas ranks, replicated
+            shape = (options["replicas"], world // options["replicas"])
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
         config = transformers.AutoConfig.from_pretrained(options["model_dir"])
         result: dict[str, Any] = {"rank": rank, "world": world, "loads": {}}
         for dtype_name in options["dtypes"]:

@@ -145,6 +145,22 @@ def test_four_ranks_read_their_rows_bitwise_as_from_pretrained(tmp_path: pathlib
     assert_loaded_as_from_pretrained(ranks, model_dir)
 
 
+@pytest.mark.slow
+def test_hsdp_ranks_read_their_shard_groups_rows_bitwise_as_from_pretrained(tmp_path: pathlib.Path) -> None:
+    """4 ranks as 2 replicas of 2-rank shard groups (``(Replicate(), Shard(0))``): each replica reads the rows of its
+    shard group's block, and the export (all-gathers over the 2-D mesh) is ``save_pretrained``'s."""
+    model_dir = save_tiny_llama(tmp_path / "model")
+    ranks = launch(tmp_path / "ranks", model_dir, world=4, replicas=2, export_limits=[SMALL_LIMIT])
+    assert_loaded_as_from_pretrained(ranks, model_dir)
+    for dtype_name in DTYPES:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name))
+        exported = tensors_of(tmp_path / "ranks" / f"export-{dtype_name}-{SMALL_LIMIT}")
+        expected = {name: tensor for name, tensor in reference.state_dict().items() if name != "lm_head.weight"}
+        assert exported.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(exported[name], tensor), f"{dtype_name} {name}"
+
+
 # ------------------------------------------------------------------------------------------- one process
 
 
