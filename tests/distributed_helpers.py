@@ -281,15 +281,16 @@ def hsdp_fit(out: pathlib.Path, options: dict) -> None:
     (every row count splits over 1, 2 and 4 ranks). ``strategy``: ZenFlowFSDPStrategy's knobs (``shard_size`` among
     them), or ``"adamw"``: Lightning's ModelParallelStrategy with torch AdamW, the module sharded on the mesh of
     ``options["mesh"]`` (``[replicas, shard]``: HSDP's 2-D mesh; absent: every rank). One rank and ``"fsdp": False``:
-    ZenFlowStrategy on the whole module. Writes ``out/rank{r}.pt`` as ddp_script's fit does."""
+    ZenFlowStrategy on the whole module. ``"launched"``: the rank was started by a launcher (torchrun), which set
+    its environment. Writes ``out/rank{r}.pt`` as ddp_script's fit does."""
     import ddp_script
     import lightning
 
     import lightning_zenflow
 
     devices, num_nodes = int(options.get("devices", 1)), int(options.get("num_nodes", 1))
-    if devices * num_nodes > 1:
-        as_machine(devices)
+    if devices * num_nodes > 1 and not options.get("launched"):
+        as_machine(devices)  # a rank of rank_zygote's; a launcher (torchrun, ``"launched"``) set the variables itself
     knobs = options.get("strategy", {})
     timeout = datetime.timedelta(seconds=60)
     fsdp = options.get("fsdp", True)

@@ -11,12 +11,17 @@ write a sharded checkpoint whose replicated blocks are written once; ``shard_siz
 HSDP 2 x 2 equals ``fully_shard`` on the same 2-D mesh with torch AdamW in the exact setting (also clipped by norm),
 and one process on the global batch; a sharded checkpoint written at 4 ranks resumes at 2, and one written under
 HSDP 2 x 2 resumes at 4 ranks of plain FSDP (and back), each as the rest of the uninterrupted run; the ``"full"``
-file under HSDP; a module sharded on Lightning's 1-D mesh under HSDP is refused with the fix.
+file under HSDP; a module sharded on Lightning's 1-D mesh under HSDP is refused with the fix; two ``torchrun``
+"machines" (static rendezvous) run HSDP 2 x 1 with nothing special.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -224,3 +229,45 @@ def test_a_module_sharded_on_the_data_parallel_mesh_under_hsdp_is_refused(tmp_pa
     log = pathlib.Path(done["logs"][0]).read_text()
     assert "fully_shard(module, mesh=self.trainer.strategy.shard_mesh)" in log
     assert "HSDP's (replicate, shard) mesh" in log
+
+
+@pytest.mark.slow
+def test_torchrun_on_two_machines_needs_nothing_special(tmp_path: pathlib.Path) -> None:
+    """The recipe of docs/distributed.md, "HSDP": one ``torchrun --nnodes 2 --node-rank R`` per machine (both here,
+    a static rendezvous), the same script on each; Lightning reads torchrun's variables, HSDP 2 x 1 follows."""
+    from distributed_helpers import free_port
+
+    script = pathlib.Path(__file__).parent / "ddp_script.py"
+    options = {"entry": ENTRY, "launched": True, "devices": 1, "num_nodes": 2, "batch_size": GLOBAL_BATCH // 2}
+    options["strategy"] = {**KNOBS, "shard_size": "auto"}
+    port = str(free_port())
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+    machines = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+            + ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port]
+            + [str(script), str(tmp_path / "torchrun"), json.dumps(options)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    try:
+        for machine in machines:
+            outputs.append(machine.communicate(timeout=240)[0])
+    finally:
+        for machine in machines:
+            if machine.poll() is None:
+                machine.kill()
+                machine.wait()
+    assert [machine.returncode for machine in machines] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    ranks = [torch.load(tmp_path / "torchrun" / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    assert [(r["node_rank"], r["local_rank"], r["world_size"]) for r in ranks] == [(0, 0, 2), (1, 0, 2)]
+    assert ranks[0]["mesh_shape"] == (2, 1)
+    assert [r["engine_ranks"] for r in ranks] == [{"rank": 0, "world": 1, "replicas": 2}] * 2
+    one = launch(tmp_path, {"one": {"devices": 1, "fsdp": False, "strategy": KNOBS}}, world=1)["one"]
+    assert_weights_close(ranks[0]["weights"], one[0]["weights"], atol=1e-6, rtol=1e-5)
+    assert_weights_equal(ranks[1]["weights"], ranks[0]["weights"])
