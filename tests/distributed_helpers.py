@@ -404,3 +404,30 @@ def MeshModule(**kwargs: Any) -> Any:  # noqa: N802  (a class, built on first us
 
 
 _MESH_MODULE: type | None = None
+
+
+def hsdp_ranks_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of HSDP's ``(world // 2) x 2`` groups: what :class:`Ranks`' collectives return over the shard group
+    (``group``) and over every rank (``everyone``); written to ``out/rank{rank}.pt``."""
+    import torch.distributed as dist
+
+    init_group(rank, world, port)
+    shard_groups = [dist.new_group([first, first + 1]) for first in range(0, world, 2)]  # every rank makes each
+    ranks = Ranks.from_process_group(group=shard_groups[rank // 2], rows_local=True, replicas=world // 2)
+    device = torch.device("cpu")
+    scores = torch.full((3,), float(rank + 1))
+    ranks.sum_scores_(scores)
+    selection = torch.full((2,), float(rank))
+    ranks.broadcast_(selection)
+    whole = ranks.gather_rows(torch.full((ranks.block_of(5)[1] - ranks.block_of(5)[0], 2), float(rank)), 5, device)
+    result = {
+        "rank": ranks.rank,
+        "world": ranks.world,
+        "agreed": ranks.agree(float(rank), device),
+        "scores": scores,
+        "selection": selection,
+        "gathered": whole,
+        "summed": ranks.all_reduce_sum(torch.tensor([1.0]), device),
+    }
+    torch.save(result, pathlib.Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()

@@ -12,7 +12,8 @@ HSDP 2 x 2 equals ``fully_shard`` on the same 2-D mesh with torch AdamW in the e
 and one process on the global batch; a sharded checkpoint written at 4 ranks resumes at 2, and one written under
 HSDP 2 x 2 resumes at 4 ranks of plain FSDP (and back), each as the rest of the uninterrupted run; the ``"full"``
 file under HSDP; a module sharded on Lightning's 1-D mesh under HSDP is refused with the fix; two ``torchrun``
-"machines" (static rendezvous) run HSDP 2 x 1 with nothing special.
+"machines" (static rendezvous) run HSDP 2 x 1 with nothing special; ``Ranks``' collectives (no Lightning) keep the
+rows inside a shard group and agree over every rank.
 """
 
 from __future__ import annotations
@@ -271,3 +272,24 @@ def test_torchrun_on_two_machines_needs_nothing_special(tmp_path: pathlib.Path) 
     one = launch(tmp_path, {"one": {"devices": 1, "fsdp": False, "strategy": KNOBS}}, world=1)["one"]
     assert_weights_close(ranks[0]["weights"], one[0]["weights"], atol=1e-6, rtol=1e-5)
     assert_weights_equal(ranks[1]["weights"], ranks[0]["weights"])
+
+
+@pytest.mark.slow
+def test_ranks_reduce_rows_over_the_shard_group_and_agree_over_every_rank(tmp_path: pathlib.Path) -> None:
+    """``engine/ranks.py`` under HSDP 2 x 2 (groups {0, 1} and {2, 3}): the column scores, the sums and the gathers
+    of rows stay inside a shard group (its rank 0 is a global rank 2 in the second), the agreed numbers and the
+    selection span all four."""
+    from distributed_helpers import hsdp_ranks_rank, load_results, run_ranks
+
+    assert run_ranks(hsdp_ranks_rank, 4, str(tmp_path)) == [0] * 4
+    results = load_results(tmp_path, 4)
+    assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [r["scores"][0].item() for r in results] == [3.0, 3.0, 7.0, 7.0]  # 1 + 2, 3 + 4
+    assert [r["summed"].item() for r in results] == [2.0] * 4
+    assert [r["agreed"] for r in results] == [3.0] * 4
+    assert all(r["selection"].tolist() == [0.0, 0.0] for r in results)  # global rank 0's, on the other machine too
+    # each shard group's rank 0 gathers its group's rows (blocks of 3 and 2 rows): group 2's from global ranks 2, 3
+    assert results[0]["gathered"][:, 0].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0]
+    assert results[2]["gathered"][:, 0].tolist() == [2.0, 2.0, 2.0, 3.0, 3.0]
+    assert results[1]["gathered"] is None
+    assert results[3]["gathered"] is None
