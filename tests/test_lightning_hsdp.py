@@ -123,7 +123,7 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "hsdp": HSDP,
         "fsdp4": FSDP4,
         # a checkpoint inside a window at an epoch's end (3 steps an epoch, S = 2: step 3 holds the open window's
-        # gradient sum; Lightning restarts a checkpoint taken inside an epoch at the next epoch)
+        # gradient sum; Lightning does not resume an epoch's plain dataloader where a checkpoint inside it was taken)
         "fsdp4_mid": {**FSDP4, "checkpoint_every": 3, "samples": 36},
         # the HSDP 2 x 2 directory read by 4 ranks of plain FSDP (one machine of 4), and the other way
         "fsdp4_from_hsdp": {"devices": 4, "strategy": KNOBS, "ckpt_path": str(root / "hsdp" / "step=4.ckpt")},
