@@ -94,9 +94,9 @@ class CausalLMFineTune(LightningModule):
                 ``"on_device"`` and ``"auto"`` (the same): the model's structure is built here with its parameters on
                 the meta device (no memory) and the weights are read at setup (``configure_model``). Under
                 ``zenflow_fsdp`` the model is sharded first and each rank reads only its own rows of the safetensors
-                files onto its device: a rank's peak is its share of the weights plus one tensor's rows
-                (``sharded_load.py``). Under the other strategies they are read whole, file by file, straight onto the
-                training device: the host holds no copy of the model.
+                files onto its device: a rank's peak is its share of the weights plus a 4 MiB conversion buffer
+                (``sharded_load.py``; docs/llm.md has the measurements). Under the other strategies they are read
+                whole, file by file, straight onto the training device: the host holds no copy of the model.
             export_max_shard_size: the largest safetensors file of the export (``save_pretrained``'s
                 ``max_shard_size``; bytes or a string such as ``"5GB"``); a larger model is split into several files
                 with a ``model.safetensors.index.json``.

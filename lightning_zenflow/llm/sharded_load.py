@@ -14,9 +14,10 @@ buffer of 4 MiB (:data:`STAGING_BYTES`) and converted from there. No file is mem
 counts in the rank's resident memory: each rank's peak above the model built and sharded on meta is its share of the
 weights plus at most that buffer (and a few MiB of bookkeeping), measured in ``tests/test_llm_sharded_memory.py``.
 
-Names are matched as ``from_pretrained`` matches them, with one exception: architectures whose files name their
-weights otherwise than their modules do (``transformers``' weight conversions: fused experts, renamed blocks) are
-refused with the fix, as are ``pytorch_model.bin`` folders.
+A file's tensor is matched to the model by its ``state_dict`` name, or that name without the base model's prefix (as
+a file of the bare model names it). Architectures whose files name their weights otherwise than their modules do
+(``transformers``' weight conversions: fused experts, renamed blocks) are refused with the fix, as are
+``pytorch_model.bin`` folders; tensors the model does not have are skipped (``from_pretrained`` warns of them).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def _fix() -> str:
 # ------------------------------------------------------------------------------------------- the structure
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered inside goes to the meta device; buffers stay where they are made (the host)."""
+    """Every parameter registered inside goes to the meta device; buffers stay where they are made (the host).
+
+    Patches ``torch.nn.Module.register_parameter`` for the duration (a model is built in one thread)."""
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
