@@ -209,7 +209,9 @@ def test_a_pytorch_model_bin_folder_is_refused_with_the_fix(tmp_path: pathlib.Pa
         weight_files(tmp_path)
 
 
-def test_a_missing_tensor_or_another_shape_is_refused_by_name(tmp_path: pathlib.Path, model_dir: pathlib.Path) -> None:
+def test_missing_tensors_and_other_shapes_are_refused_extra_ones_warned_of(
+    tmp_path: pathlib.Path, model_dir: pathlib.Path
+) -> None:
     weights = safetensors_torch.load_file(model_dir / "model.safetensors")
     for name in ("missing", "reshaped"):
         (tmp_path / name).mkdir()
@@ -219,6 +221,12 @@ def test_a_missing_tensor_or_another_shape_is_refused_by_name(tmp_path: pathlib.
     safetensors_torch.save_file(without_norm, tmp_path / "missing" / "model.safetensors")
     with pytest.raises(ShardedLoadError, match=r"hold no model.norm.weight: .*load_weights now"):
         read_unsharded(tmp_path / "missing", torch.float32)
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "config.json").write_text((model_dir / "config.json").read_text())
+    extra = {**weights, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}  # an old file's leftover
+    safetensors_torch.save_file(extra, tmp_path / "extra" / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"also hold model.layers.0.self_attn.rotary_emb.inv_freq, unused"):
+        read_unsharded(tmp_path / "extra", torch.float32)
     safetensors_torch.save_file({**weights, norm: weights[norm][:-2]}, tmp_path / "reshaped" / "model.safetensors")
     shapes = r"model.norm.weight has shape \(30,\), the model's model.norm.weight \(32,\)"
     with pytest.raises(ShardedLoadError, match=shapes):

@@ -26,6 +26,7 @@ import contextlib
 import json
 import math
 import struct
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,9 @@ def load_rows(model: torch.nn.Module, folder: str | Path) -> None:
                 _read_tensor_rows(file, data_start, entry, target, staging)
                 loaded.add(id(target))
     missing = [name for name, target in targets.items() if id(target) not in loaded]
+    if unexpected and not missing:
+        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        warnings.warn(f"the safetensors files in {folder} also hold {shown}, unused by the model", stacklevel=2)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         also = f"; the files hold {', '.join(unexpected[:3])}, ... instead" if unexpected else ""
