@@ -10,7 +10,8 @@
 #   gpu_tests_engine.txt/.xml    every test marked gpu, in every test file (pytest -m gpu), but Lightning's; -v: one
 #                                line per test as it finishes, so a timeout keeps what ran
 #   gpu_tests_lightning.txt/.xml the Lightning fits on CUDA
-#   gpu_tests_nccl.txt/.xml      on 2+ GPUs only: data parallel and FSDP2 (zenflow_fsdp) over NCCL
+#   gpu_tests_nccl.txt/.xml      on 2+ GPUs only: data parallel, FSDP2 and HSDP (zenflow_fsdp) over NCCL, the LLM
+#                                recipe's sharded loading and export (4 GPUs: HSDP 2 x 2 too)
 #   offload_trace.json        offload_bench.py --profile: a torch.profiler Chrome trace of a few ZenFlow steps of the
 #                             1.2B GPT (open in chrome://tracing, Perfetto); offload_profile.json: that row's numbers
 #   plan_measure.txt          lightning-zenflow plan --measure --json: this machine's rates and the plan of Qwen2.5-14B
@@ -172,16 +173,18 @@ fi
 # the tests first, in two steps (the engine's, then Lightning's), each test's result written as it finishes (-v
 # through tee), so a step cut off by its timeout still leaves the name and outcome of every test that ran; a test
 # module that fails to import is reported and the others still run
-run_step gpu_tests_engine 200 "$python" -m pytest tests/ -m gpu -k "not lightning and not two_gpus" -v -rs \
+run_step gpu_tests_engine 200 "$python" -m pytest tests/ -m gpu -k "not lightning and not two_gpus and not four_gpus" -v -rs \
   --durations=15 --continue-on-collection-errors \
   -p no:cacheprovider --junitxml="$out/gpu_tests_engine.xml"
 
 run_step gpu_tests_lightning 150 "$python" -m pytest tests/ -m gpu -k lightning -v -rs --durations=15 \
   --continue-on-collection-errors -p no:cacheprovider --junitxml="$out/gpu_tests_lightning.xml"
 
-# NCCL: data parallel and FSDP2 on two GPUs (tests/test_gpu.py, "two_gpus"), where the machine has them
+# NCCL: data parallel, FSDP2, HSDP (2 replicas of 1 shard; with 4 GPUs also 2 x 2) and the LLM recipe's sharded
+# loading and export on two GPUs (tests/test_gpu.py, "two_gpus" / "four_gpus"), where the machine has them; a test
+# that needs more GPUs than the machine has says so in its skip reason
 if ((gpus >= 2)); then
-  run_step gpu_tests_nccl 150 "$python" -m pytest tests/test_gpu.py -m gpu -k two_gpus -v -rs \
+  run_step gpu_tests_nccl 200 "$python" -m pytest tests/test_gpu.py -m gpu -k "two_gpus or four_gpus" -v -rs \
     -p no:cacheprovider --junitxml="$out/gpu_tests_nccl.xml"
 else
   skip_step gpu_tests_nccl "$gpus CUDA device(s) here, the NCCL tests need 2"

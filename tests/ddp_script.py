@@ -78,7 +78,8 @@ class ShardedModule(InOrderModule):
             self.net = FullyShardedDataParallel(self.net, device_id=torch.device("cpu"), use_orig_params=True)
             return
         extra = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if self.shard == "offload" else {}
-        mesh = self.device_mesh["data_parallel"]
+        # zenflow_fsdp's own mesh (2-D under HSDP); Lightning's ModelParallelStrategy has only its data-parallel one
+        mesh = getattr(self.trainer.strategy, "shard_mesh", None) or self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh, **extra)

@@ -301,13 +301,17 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
     from lightning_zenflow.llm.sharding import load_sharded, shard_blocks
 
     rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    on_cuda = options.get("device") == "cuda"  # one GPU per rank over NCCL (tests/test_gpu.py)
+    device = torch.device("cuda", rank) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if on_cuda else "gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
         if options.get("replicas"):  # HSDP: shard groups of world / replicas ranks, replicated
             shape = (options["replicas"], world // options["replicas"])
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
         else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+            mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("data_parallel",))
         config = transformers.AutoConfig.from_pretrained(options["model_dir"])
         result: dict[str, Any] = {"rank": rank, "world": world, "loads": {}}
         for dtype_name in options["dtypes"]:
@@ -318,7 +322,7 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
             model = structure(config, dtype)
             shard_blocks(model, mesh)  # on meta: the structure, sharded, holds no weight
             meta_kib = peak_kib()
-            load_sharded(model, options["model_dir"], mesh, torch.device("cpu"))
+            load_sharded(model, options["model_dir"], mesh, device)
             loaded_kib = peak_kib()
             output = model.get_output_embeddings().weight
             result["loads"][dtype_name] = {
@@ -329,7 +333,7 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
                 "sharded": type(output).__name__ == "DTensor",
                 "weights": full_weights(model) if options.get("gather", True) else None,
                 "dtypes": {name: param.dtype for name, param in model.named_parameters()},
-                "buffers": {name: buffer.clone() for name, buffer in model.named_buffers()},
+                "buffers": {name: buffer.cpu().clone() for name, buffer in model.named_buffers()},
                 "differ": differing_rows(model, options["model_dir"], dtype) if options.get("compare_rows") else None,
             }
             for limit in options.get("export_limits", []):

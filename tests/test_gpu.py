@@ -756,3 +756,54 @@ def test_two_gpus_fsdp2_equal_model_parallel_adamw_and_one_gpu(tmp_path: pathlib
     assert one[0]["strategy"] == "ZenFlowStrategy"
     assert_weights_equal(two[1]["weights"], two[0]["weights"])
     assert_weights_close(two[0]["weights"], one[0]["weights"], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("devices", "shard_size"),
+    [
+        pytest.param(2, 1, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")),
+        pytest.param(4, 2, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")),
+    ],
+    ids=["two_gpus", "four_gpus"],
+)
+def test_hsdp_on_gpus_equals_fsdp2_and_one_gpu(tmp_path: pathlib.Path, devices: int, shard_size: int) -> None:
+    """HSDP on NCCL (one machine: ``shard_size`` ranks shard, the groups replicate): equal to FSDP2 over every GPU and
+    to one ``ZenFlowStrategy`` GPU on the same global batch, the replicas' weights equal."""
+    from test_lightning_ddp import results, run_script
+    from test_lightning_fsdp import GLOBAL_BATCH, KNOBS
+
+    def fit(name: str, count: int, **options: object) -> list[dict]:
+        out = tmp_path / name
+        options = {"accelerator": "gpu", "devices": count, "samples": 48, **options}
+        done = run_script(out, batch_size=GLOBAL_BATCH // count, **options)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return results(out, count)
+
+    knobs = {**KNOBS, "interim_step": 0}  # as the FSDP2 test above: one GPU's wide model runs without the moves
+    hsdp = fit("hsdp", devices, fsdp=True, strategy={**knobs, "shard_size": shard_size})
+    fsdp = fit("fsdp", devices, fsdp=True, strategy=knobs)
+    one = fit("one", 1, wide=True, strategy=knobs)
+    assert_weights_equal(hsdp[-1]["weights"], hsdp[0]["weights"])
+    assert_weights_close(hsdp[0]["weights"], fsdp[0]["weights"], atol=1e-5, rtol=1e-4)
+    assert_weights_close(hsdp[0]["weights"], one[0]["weights"], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_llm_sharded_load_and_export_equal_one_process(tmp_path: pathlib.Path) -> None:
+    """The LLM recipe's sharded loading onto two GPUs (NCCL): each rank's rows read from the files straight into its
+    CUDA shard, the gathered weights bitwise ``from_pretrained``'s; the export, a tensor at a time, is the one
+    ``save_pretrained`` writes."""
+    pytest.importorskip("transformers", reason="lightning_zenflow.llm needs `pip install '.[llm]'`")
+    from llm_helpers import save_tiny_llama
+    from test_llm_sharded_load import ONE_FILE, assert_loaded_as_from_pretrained, launch, tensors_of
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny_llama(tmp_path / "model")
+    ranks = launch(tmp_path / "ranks", model_dir, world=2, device="cuda", export_limits=[ONE_FILE])
+    assert_loaded_as_from_pretrained(ranks, model_dir)
+    for dtype_name in ("float32", "bfloat16"):
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype_name))
+        exported = tensors_of(tmp_path / "ranks" / f"export-{dtype_name}-{ONE_FILE}")
+        for name, tensor in reference.state_dict().items():
+            if name != "lm_head.weight":  # tied: written once, under the embeddings' name
+                assert torch.equal(exported[name], tensor), f"{dtype_name} {name}"
