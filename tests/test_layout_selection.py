@@ -238,9 +238,9 @@ def test_host_and_device_bytes_per_matrix_parameter_for_a_one_million_parameter_
     # the compact accumulator's rounding draws from 4 B per row and per column of the matrix
     tables = 4 * (1024 + 1024) if (accumulate_on, host_state) == ("device", "bf16") else 0
     mode_bytes = windows * n_matrix + tables if accumulate_on == "device" else 2 * 4 * n_matrix
-    # the interim moves' statistics (on by default): fp32 row and column EMAs and their scales, the host mask and two
-    # scalars of the matrix, one shared scalar
-    interim = 4 * (2 * 1024 + 4 * 1024 + 2) + 4
+    # the interim moves' statistics (on by default): fp32 row and column EMAs and their scales, the host mask, the
+    # warm-up's column record and three scalars of the matrix, one shared scalar
+    interim = 4 * (2 * 1024 + 5 * 1024 + 3) + 4
     assert device_bytes == selected_state + bias_state + mode_bytes + interim
     assert all(s.device_bytes == device_bytes for s in stats)
 
