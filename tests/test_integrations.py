@@ -117,6 +117,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # two ranks (25 s); the one-device Fabric test stays in the default suite
 def test_fabric_two_ranks_with_the_zenflow_strategy_equal_one_process(tmp_path: pathlib.Path) -> None:
     script = tmp_path / "two_ranks.py"
     script.write_text(textwrap.dedent(FABRIC_TWO_RANKS.format(tests=str(ROOT / "tests"))))

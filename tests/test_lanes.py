@@ -347,6 +347,7 @@ def test_a_resume_with_an_update_in_flight_is_bitwise_under_adversarial_lanes(
             assert torch.equal(value, uninterrupted.history["final"][name]), f"{name} after the final flush"
 
 
+@pytest.mark.slow  # two ranks (45 s): the default suite keeps the one-process scenarios
 def test_two_ranks_under_adversarial_lanes_equal_the_default(tmp_path) -> None:
     """Two ranks (gloo), on the default lanes and then on adversarial lanes with each seed, in one launch."""
     config = {"topk_ratio": 0.25, "update_interval": 2, "select_strategy": "step", "select_interval": 4}

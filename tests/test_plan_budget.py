@@ -128,7 +128,8 @@ TWO_RANK_JOBS = [
 ]
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+# data parallel in the slow tier (the default suite's time): FSDP2's rows exercise the same count per rank
+@pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])
 def test_two_ranks_the_plan_counts_what_each_engine_holds(tmp_path: pathlib.Path, layout: str) -> None:
     """Both ranks on one machine: the plan's device bytes are the largest rank's, its host bytes the two together;
     each rank's own count is also what ``engine/budget.py`` gives for that rank's shapes."""
