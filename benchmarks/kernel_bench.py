@@ -460,6 +460,8 @@ def _statistics(shape: tuple[int, int], unselected: torch.Tensor, device: torch.
         col=torch.zeros(shape[1], device=device),
         decay=torch.ones((), device=device),
         moves=torch.zeros((), device=device),
+        warm_col=torch.zeros(shape[1], device=device),
+        warm_steps=torch.zeros((), device=device),
         salt=0,
     )
     stats.host_mask = torch.zeros(shape[1], device=device).index_fill_(0, unselected, 1.0)
