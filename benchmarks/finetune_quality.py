@@ -194,6 +194,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "products are about 100x slower than fp32 on some CPUs: shrink the model (--n-embd 32 --n-layer 2).",
     )
     parser.add_argument("--finetune-batch", type=int, default=None, help="default 8 (quick 4).")
+    parser.add_argument(
+        "--finetune-text",
+        choices=("prose", "man", "changelog"),
+        default="prose",
+        help="the fine-tune's text: the documentation prose (default), or the man pages' troff sources or the Debian "
+        "changelogs of this machine (benchmarks/domains.py; the tables' 'prose' columns then mean that text).",
+    )
     parser.add_argument("--finetune-lr", type=float, default=1e-3, help="peak lr (default 1e-3).")
     parser.add_argument(
         "--lrs", type=float, nargs="+", default=None, help="a sweep: every chosen row at each of these peak rates."
@@ -403,6 +410,30 @@ def _tokens(documents: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"\n\n".join(documents)), dtype=torch.uint8).clone()
 
 
+def _split(documents: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every ``HOLD_OUT_EVERY``-th document held out: (train tokens, held-out tokens)."""
+    held = [d for i, d in enumerate(documents) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+    kept = [d for i, d in enumerate(documents) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
+    return _tokens(kept), _tokens(held)
+
+
+def with_finetune_text(corpora: Corpora, text: str) -> Corpora:
+    """``--finetune-text``: the fine-tune on another text than the prose, one ``domains.py`` reads from the machine
+    (the man pages' troff, Debian changelogs; every 10th document held out). The base is the same (pre-trained on the
+    code alone: its cache key does not change)."""
+    if text == "prose":
+        return corpora
+    import domains
+
+    read = {"man": domains.man_pages, "changelog": domains.debian_changelogs}[text]
+    try:
+        documents = [document.encode() for document in read()]
+    except domains.DomainMissing as error:
+        raise SystemExit(f"--finetune-text {text}: {error}") from error
+    train, heldout = _split(documents)
+    return dataclasses.replace(corpora, prose_train=train, prose_heldout=heldout)
+
+
 def build_corpora(max_files: int | None) -> Corpora:
     """Code (docstrings removed) and prose (docstrings, reference topics), each split into train and held-out."""
     from lightning_zenflow.demo import default_corpus_files
@@ -426,13 +457,8 @@ def build_corpora(max_files: int | None) -> Corpora:
         prose.extend(reference[name].encode() for name in chosen)
         topics = len(chosen)
 
-    def split(documents: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        held = [d for i, d in enumerate(documents) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
-        kept = [d for i, d in enumerate(documents) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
-        return _tokens(kept), _tokens(held)
-
-    code_train, code_heldout = split(code)
-    prose_train, prose_heldout = split(prose)
+    code_train, code_heldout = _split(code)
+    prose_train, prose_heldout = _split(prose)
     digest = hashlib.sha256()
     for part in (code_train, code_heldout, prose_train, prose_heldout):
         digest.update(part.numpy().tobytes())
@@ -920,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     train_cores, host_cores = ZenFlowConfig().core_split()
     started = time.perf_counter()
-    corpora = build_corpora(args.max_files)
+    corpora = with_finetune_text(build_corpora(args.max_files), args.finetune_text)  # the base's key: code only
     parts = ("code_train", "code_heldout", "prose_train", "prose_heldout")
     sizes = {name: getattr(corpora, name).numel() for name in parts}
     unigram = {
@@ -930,7 +956,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"corpora ({time.perf_counter() - started:.1f} s): {corpora.files} stdlib files and {corpora.topics} reference "
         f"topics; code (docstrings removed) {sizes['code_train'] / 1e6:.2f} MB train / "
-        f"{sizes['code_heldout'] / 1e6:.2f} MB held out; prose (docstrings + pydoc topics) "
+        f"{sizes['code_heldout'] / 1e6:.2f} MB held out; fine-tune text ({args.finetune_text}) "
         f"{sizes['prose_train'] / 1e6:.2f} / {sizes['prose_heldout'] / 1e6:.2f} MB; unigram cross-entropy "
         f"code {unigram['code']:.3f}, prose {unigram['prose']:.3f} nats/byte"
     )
