@@ -65,25 +65,8 @@ def save_tokenizer(folder: pathlib.Path, chat_template: str | None) -> None:
 def save_tiny_llama(folder: pathlib.Path) -> pathlib.Path:
     """A tiny random Llama with tied embeddings (as SmolLM2 has) and the chat tokenizer, saved in ``folder``. Every
     row count is even: FSDP2 gives each of 2 ranks a block of every parameter."""
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=VOCAB["<pad>"],
-        eos_token_id=VOCAB["<eos>"],
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    save_tokenizer(folder, CHAT_TEMPLATE)
-    return folder
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    return save_random_llama(folder, None, vocab_size=300, num_attention_heads=4, num_key_value_heads=2, **sizes)
 
 
 def write_text(path: pathlib.Path, blocks: int, block_size: int, seed: int = 0) -> pathlib.Path:
@@ -247,9 +230,9 @@ LOADING_LLAMA = {
 enough that a rank's share of it stands well above the noise of a process's resident memory (a few MiB)."""
 
 
-def save_random_llama(folder: pathlib.Path, max_shard_size: str, **sizes: int) -> pathlib.Path:
+def save_random_llama(folder: pathlib.Path, max_shard_size: str | None, **sizes: int) -> pathlib.Path:
     """A random Llama of ``sizes`` (``LlamaConfig`` fields; tied embeddings) saved in ``folder`` in safetensors files
-    of at most ``max_shard_size``, with the test tokenizer."""
+    of at most ``max_shard_size`` (None: ``save_pretrained``'s default), with the test tokenizer."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -261,7 +244,8 @@ def save_random_llama(folder: pathlib.Path, max_shard_size: str, **sizes: int) -
         **sizes,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size=max_shard_size)
+    limit = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    transformers.LlamaForCausalLM(config).save_pretrained(folder, **limit)
     save_tokenizer(folder, CHAT_TEMPLATE)
     return folder
 
