@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import bench_utils
+import rate_sweep
 import torch
 
 from lightning_zenflow import ZenFlowConfig, ZenFlowEngine
@@ -171,6 +172,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--main-rows", nargs="*", default=None, help="main rows to run (default all; adamw is always run)."
     )
     parser.add_argument("--ablations", nargs="*", default=None, help="ablation rows to run (default all; quick none).")
+    parser.add_argument(
+        "--row",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="a row of your own, run as an ablation: the defaults with these ZenFlowConfig knobs (e.g. --row "
+        """'S8-k2={"update_interval": 8, "interim_step": 2}'); may be given more than once.""",
+    )
     parser.add_argument("--n-layer", type=int, default=None, help="default 4 (quick 2).")
     parser.add_argument("--n-embd", type=int, default=None, help="default 128 (quick 32).")
     parser.add_argument("--n-head", type=int, default=None, help="default 4 (quick 2).")
@@ -244,6 +253,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.main_rows is None:
         args.main_rows = [row.name for row in MAIN_ROWS]
     args.main_rows = sorted({"adamw", *args.main_rows}, key=[row.name for row in MAIN_ROWS].index)
+    args.custom = {}
+    for spec in args.row:
+        try:
+            name, knobs = rate_sweep.row_spec(spec)
+            ZenFlowConfig(**knobs)
+        except (TypeError, ValueError) as err:
+            parser.error(f"--row {spec!r}: {err}")
+        if name in {row.name for row in (*MAIN_ROWS, *ABLATION_ROWS)}:
+            parser.error(f"--row {spec!r}: a row of that name exists; --list-rows prints them.")
+        args.custom[name] = knobs
     unknown = sorted(set(args.ablations) - {row.name for row in ABLATION_ROWS})
     unknown += sorted(set(args.main_rows) - {row.name for row in MAIN_ROWS})
     if unknown:
@@ -795,7 +814,7 @@ def print_tables(summary: dict[str, dict[str, Any]], rows: list[Row]) -> None:
         [line(row) for row in main],
         digits=4,
     )
-    ablations = [row for row in rows if row in ABLATION_ROWS and row.name in summary]
+    ablations = [row for row in rows if row not in MAIN_ROWS and row.name in summary]
     if ablations:
         bench_utils.print_table(
             "\nAblations (the paper's rule with the change in the last column)",
@@ -871,69 +890,6 @@ def plot(summary: dict[str, dict[str, Any]], names: list[str], path: pathlib.Pat
     bench_utils.save_figure(plt, figure, by_step, path, title)
 
 
-def best_of_rates(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``--lrs``: per row, the mean final loss at each rate, its best rate, its gap at that rate to AdamW at AdamW's
-    best (paired by seed), and the largest ratio of its held-out loss to AdamW's at the same rate, seed and step."""
-    finals: dict[str, dict[float, dict[int, float]]] = {}
-    curves = {(run["optimizer"], run["lr"], run["seed"]): run["eval_loss"] for run in runs}
-    for run in runs:
-        finals.setdefault(run["optimizer"], {}).setdefault(run["lr"], {})[run["seed"]] = run["final_eval_loss"]
-
-    def mean(losses: dict[int, float]) -> float:
-        return statistics.fmean(losses.values()) if all(math.isfinite(v) for v in losses.values()) else math.inf
-
-    best = {name: min(per_rate, key=lambda lr: mean(per_rate[lr])) for name, per_rate in finals.items()}
-    adamw = finals["adamw"][best["adamw"]]
-    result = {}
-    for name, per_rate in finals.items():
-        chosen = per_rate[best[name]]
-        gaps = [100 * (loss / adamw[seed] - 1) for seed, loss in chosen.items() if seed in adamw]
-        worst = {}
-        for lr in per_rate:
-            ratios = [
-                own / reference
-                for seed in per_rate[lr]
-                for own, reference in zip(curves[name, lr, seed], curves.get(("adamw", lr, seed), []))
-            ]
-            worst[lr] = max(ratios) if ratios else None
-        result[name] = {
-            "mean_by_lr": {lr: mean(losses) for lr, losses in sorted(per_rate.items())},
-            "best_lr": best[name],
-            "best_gap_percent": gaps,
-            "worst_ratio_to_adamw_by_lr": worst,
-        }
-    return result
-
-
-def print_best_of_rates(best: dict[str, dict[str, Any]]) -> None:
-    rates = sorted(next(iter(best.values()))["mean_by_lr"])
-    bench_utils.print_table(
-        "\nFinal held-out loss per peak rate (mean over seeds); worst: the largest held-out loss / AdamW's at the "
-        "same rate, seed and step",
-        ["row", *[f"lr {lr:g}" for lr in rates], *[f"worst {lr:g}" for lr in rates]],
-        [
-            [name, *[entry["mean_by_lr"].get(lr) for lr in rates]]
-            + [entry["worst_ratio_to_adamw_by_lr"].get(lr) for lr in rates]
-            for name, entry in best.items()
-        ],
-        digits=4,
-    )
-    bench_utils.print_table(
-        "\nBest against best: each row at its best rate, gap to AdamW at AdamW's best (paired by seed)",
-        ["row", "best lr", "final held-out loss", "vs AdamW's best"],
-        [
-            [
-                name,
-                f"{entry['best_lr']:g}",
-                entry["mean_by_lr"][entry["best_lr"]],
-                bench_utils.pm(entry["best_gap_percent"], 2, " %") if name != "adamw" else "-",
-            ]
-            for name, entry in best.items()
-        ],
-        digits=4,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_rows:
@@ -985,7 +941,9 @@ def main(argv: list[str] | None = None) -> int:
     main_rows = [row for row in MAIN_ROWS if row.name in args.main_rows]
     for row in main_rows:
         plan += [(row, seed) for seed in range(args.sync_seeds if row.name == "sync-offload" else args.seeds)]
-    chosen = [row for row in ABLATION_ROWS if row.name in args.ablations]
+    chosen = [row for row in ABLATION_ROWS if row.name in args.ablations] + [
+        Row(name, knobs, f"the defaults with {json.dumps(knobs)}") for name, knobs in args.custom.items()
+    ]
     plan += [(row, seed) for row in chosen for seed in range(args.ablation_seeds)]
     if args.lrs is not None:  # the sweep: every row at every rate, the seeds of the main rows
         plan = [(row, seed) for row in (*main_rows, *chosen) for seed in range(args.seeds)]
@@ -1017,8 +975,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_utils.write_partial(args.out, payload)  # a run cut short keeps what it measured
 
     if args.lrs is not None:
-        best = best_of_rates(runs)
-        print_best_of_rates(best)
+        best = rate_sweep.best_of_rates(runs)
+        rate_sweep.print_best_of_rates(best)
         payload.update(best_of_rates=best, total_s=time.perf_counter() - started)
         bench_utils.write_results(args.out, payload)
         return 0 if all(math.isfinite(run["final_eval_loss"]) for run in runs) else 1

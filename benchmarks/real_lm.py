@@ -62,6 +62,7 @@ from typing import Any
 
 import bench_utils
 import domains
+import rate_sweep
 import torch
 
 # Lightning and transformers are imported inside the functions: the engine's spawned host worker re-imports this
@@ -92,7 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--eval-blocks", type=int, default=None, help="held-out blocks (default 64; quick 8).")
     add("--eval-every", type=int, default=None, help="held-out loss period in steps (default 20; quick 8).")
     add("--warmup", type=int, default=None, help="linear lr warm-up steps (default 6; quick 2).")
-    add("--lr", type=float, default=None, help="peak lr (default 5e-5; quick 2e-3), then cosine to 10 %%.")
+    add("--lr", type=float, default=None, help="peak lr (default 5e-5; quick 2e-3), then the --schedule.")
+    add("--lrs", type=float, nargs="+", default=None, help="a sweep: every row at each of these peak rates.")
+    add("--seeds", type=int, default=1, help="seeds from --seed on, each its own batch order (default 1).")
+    add("--schedule", choices=("cosine", "constant"), default="cosine", help="after warm-up (cosine to 10 %%).")
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0).")
     add("--row", action="append", default=[], metavar="NAME=JSON", help="an extra row: ZenFlowStrategy knobs.")
     add("--rows", nargs="+", default=["adamw", "zenflow"], help="rows to run, in order (default adamw zenflow).")
@@ -101,13 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = bench_utils.apply_quick_defaults(parser.parse_args(argv), defaults)
     args.knobs = {"adamw": None, "zenflow": {}}
     for spec in args.row:
-        name, _, text = spec.partition("=")
-        knobs = None
-        with contextlib.suppress(json.JSONDecodeError):
-            knobs = json.loads(text)
-        if not name or name == "adamw" or not isinstance(knobs, dict):
-            parser.error(f"--row {spec!r} must be NAME=JSON (not adamw), a JSON dict of ZenFlowStrategy knobs.")
+        try:
+            name, knobs = rate_sweep.row_spec(spec)
+        except ValueError as err:
+            parser.error(str(err))
         args.knobs[name] = knobs
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds} must be at least 1.")
     unknown = [name for name in args.rows if name not in args.knobs]
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {sorted(args.knobs)} (add one with --row NAME=JSON).")
@@ -271,7 +275,9 @@ def travel(model: torch.nn.Module, base: torch.nn.Module) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------- rows
-def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data: dict[str, Any], args) -> dict:
+def run_row(
+    name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data: dict[str, Any], lr: float, args
+) -> dict:
     """One fine-tune of a copy of the base; the held-out curve, the training loss and the step times."""
     import lightning as pl
 
@@ -287,8 +293,9 @@ def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data
             return self.model(input_ids=batch, labels=batch, use_cache=False).loss
 
         def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupSchedule(args.warmup, "cosine", args.steps))
+            optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=args.weight_decay)
+            shape = WarmupSchedule(args.warmup, args.schedule, args.steps)
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, shape)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     class Record(pl.Callback):
@@ -326,6 +333,9 @@ def run_row(name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data
     return {
         "travel": travel(module.model, base),
         "row": name,
+        "optimizer": name,
+        "lr": lr,
+        "seed": data["seed"],
         "knobs": knobs,
         "config": None if knobs is None else dataclasses.asdict(trainer.strategy.zenflow_config),
         "steps": trainer.global_step,
@@ -366,24 +376,30 @@ def main(argv: list[str] | None = None) -> int:
     held_docs = [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
     train_blocks, held_blocks = cut_blocks(train_docs, eos, args.block), cut_blocks(held_docs, eos, args.block)
     spread = torch.linspace(0, len(held_blocks) - 1, min(args.eval_blocks, len(held_blocks))).round().long()
-    generator = torch.Generator().manual_seed(args.seed)
     needed = args.steps * args.batch
     rounds = -(-needed // len(train_blocks))
-    order = torch.cat([torch.randperm(len(train_blocks), generator=generator) for _ in range(rounds)])
-    data = {"eval": held_blocks[spread], "train": train_blocks[order[:needed]]}
+    data = {"eval": held_blocks[spread]}
     train_cores, host_cores = ZenFlowConfig().core_split()
     data["train_cores"] = train_cores
     n_params = sum(p.numel() for p in base.parameters())
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    batches = {}  # per seed, its batch order over the training blocks
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+        order = torch.cat([torch.randperm(len(train_blocks), generator=generator) for _ in range(rounds)])
+        batches[seed] = train_blocks[order[:needed]]
+    rates = args.lrs or [args.lr]
     print(
         f"model {n_params / 1e6:.1f}M parameters ({config.num_hidden_layers} layers, width {config.hidden_size}, "
         f"vocabulary {config.vocab_size}); data {len(docs)} documents, {len(train_blocks)} train / "
         f"{len(held_blocks)} held-out blocks of {args.block} tokens ({len(data['eval'])} evaluated); "
-        f"{args.steps} steps of {args.batch} blocks, lr {args.lr} ({args.warmup} warm-up, cosine to 10 %); "
-        f"cores: training {train_cores}, host worker {host_cores} ({time.perf_counter() - started:.0f} s so far)"
+        f"{args.steps} steps of {args.batch} blocks, lr {' '.join(f'{lr:g}' for lr in rates)} ({args.warmup} "
+        f"warm-up, then {args.schedule}); seeds {seeds}; cores: training {train_cores}, host worker {host_cores} "
+        f"({time.perf_counter() - started:.0f} s so far)"
     )
     with bench_utils.pinned(train_cores):
         data["base_loss"] = heldout_loss(base, data["eval"])
-        kinds = premise(base, data["train"][: args.batch])
+        kinds = premise(base, batches[seeds[0]][: args.batch])
     print(f"base held-out loss {data['base_loss']:.4f}")
     print(
         f"premise (first batch, base): share of the squared gradient norm in the top {RHO:.0%} of columns; mean size "
@@ -393,21 +409,37 @@ def main(argv: list[str] | None = None) -> int:
     bench_utils.print_table(None, ["matrix kind", "matrices", f"top {RHO:.0%} share", "move"], table)
 
     runs = []
-    for name in args.rows:
-        print(f"row {name}: {json.dumps(args.knobs[name])}", flush=True)
-        runs.append(run_row(name, args.knobs[name], base, data, args))
-        print(f"row {name}: held-out {runs[-1]['final_heldout_loss']:.4f} ({runs[-1]['wall_s']:.0f} s)", flush=True)
-    reference = next((run["final_heldout_loss"] for run in runs if run["row"] == "adamw"), None)
+    for seed in seeds:
+        data.update(seed=seed, train=batches[seed])
+        for lr in rates:
+            for name in args.rows:
+                print(f"row {name} lr {lr:g} seed {seed}: {json.dumps(args.knobs[name])}", flush=True)
+                runs.append(run_row(name, args.knobs[name], base, data, lr, args))
+                print(f"row {name}: held-out {runs[-1]['final_heldout_loss']:.4f} ({runs[-1]['wall_s']:.0f} s)")
+    reference = {(run["lr"], run["seed"]): run["final_heldout_loss"] for run in runs if run["row"] == "adamw"}
     for run in runs:
-        run["gap_to_adamw_pct"] = None if reference is None else 100 * (run["final_heldout_loss"] / reference - 1)
-    print(f"\nheld-out loss (base {data['base_loss']:.4f}); seconds per step: median (mean), evaluations excluded")
-    keys = ("row", "final_heldout_loss", "gap_to_adamw_pct", "travel", "median_step_s", "mean_step_s")
+        paired = reference.get((run["lr"], run["seed"]))
+        run["gap_to_adamw_pct"] = None if paired is None else 100 * (run["final_heldout_loss"] / paired - 1)
+        run["eval_loss"] = [point["heldout_loss"] for point in run["curve"]]
+        run["final_eval_loss"] = run["final_heldout_loss"]
+    print(
+        f"\nheld-out loss (base {data['base_loss']:.4f}), gap to AdamW at the same rate and seed; seconds per step: "
+        "median (mean), evaluations excluded"
+    )
+    keys = ("row", "lr", "seed", "final_heldout_loss", "gap_to_adamw_pct", "travel", "median_step_s", "mean_step_s")
     rows = [[run[key] for key in keys] for run in runs]
-    header = ["row", "final held-out", "gap to adamw %", "travel", "s/step", "mean s/step"]
+    header = ["row", "lr", "seed", "final held-out", "gap to adamw %", "travel", "s/step", "mean s/step"]
     bench_utils.print_table(None, header, rows, 4)
     steps = [point["step"] for point in runs[0]["curve"]]
-    curve = [[step, *(run["curve"][i]["heldout_loss"] for run in runs)] for i, step in enumerate(steps)]
-    bench_utils.print_table("\nheld-out curve", ["step", *args.rows], curve, 4)
+    labels = [
+        run["row"] if len(runs) == len(args.rows) else f"{run['row']} {run['lr']:g} s{run['seed']}" for run in runs
+    ]
+    curve = [[step, *(run["eval_loss"][i] for run in runs)] for i, step in enumerate(steps)]
+    bench_utils.print_table("\nheld-out curve", ["step", *labels], curve, 4)
+    best = None
+    if "adamw" in args.rows and (len(rates) > 1 or len(seeds) > 1):
+        best = rate_sweep.best_of_rates(runs)
+        rate_sweep.print_best_of_rates(best)
 
     payload = bench_utils.payload(
         "real_lm",
@@ -421,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         base_heldout_loss=data["base_loss"],
         premise={"rho": RHO, "kinds": kinds},
         runs=runs,
+        best_of_rates=best,
         total_s=time.perf_counter() - started,
     )
     bench_utils.write_results(args.out, payload)

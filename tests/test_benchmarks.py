@@ -289,23 +289,55 @@ def test_finetune_quality_quick(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.slow
 def test_finetune_quality_sweeps_rates_and_reports_best_against_best(tmp_path: pathlib.Path) -> None:
-    """``--lrs``: every row at every rate; the best rate and the paired gap at it are recomputed from the raw runs."""
+    """``--lrs``: every row at every rate, a ``--row`` of one's own among them; the best rate and the paired gap at it
+    are recomputed from the raw runs."""
     extra = ("--cache", str(tmp_path / "cache"), "--lrs", "1e-3", "4e-3", "--main-rows", "zenflow")
-    stdout, result, _ = run_quick("finetune_quality", tmp_path, *extra, "--ablations", "zenflow-S8")
+    own = ("--row", 'S8-k1={"update_interval": 8, "interim_step": 1.0}')
+    stdout, result, _ = run_quick("finetune_quality", tmp_path, *extra, "--ablations", "zenflow-S8", *own)
     assert "Best against best" in stdout
     assert "per peak rate" in stdout
+    names = ("adamw", "zenflow", "zenflow-S8", "S8-k1")
+    assert result["rows"]["S8-k1"]["knobs"] == {"update_interval": 8, "interim_step": 1.0}
     runs = result["runs"]
-    assert sorted({(run["optimizer"], run["lr"]) for run in runs}) == [
-        (name, lr) for name in ("adamw", "zenflow", "zenflow-S8") for lr in (1e-3, 4e-3)
-    ]
+    assert sorted({(run["optimizer"], run["lr"]) for run in runs}) == sorted(
+        (name, lr) for name in names for lr in (1e-3, 4e-3)
+    )
     final = {(run["optimizer"], run["lr"]): run["final_eval_loss"] for run in runs}  # one seed in --quick
+    assert final["S8-k1", 1e-3] != final["zenflow-S8", 1e-3]  # the knob reached the engine
     best = result["best_of_rates"]
-    for name in ("adamw", "zenflow", "zenflow-S8"):
+    for name in names:
         best_lr = min((1e-3, 4e-3), key=lambda lr: final[name, lr])
         assert best[name]["best_lr"] == best_lr
         expected = 100 * (final[name, best_lr] / final["adamw", best["adamw"]["best_lr"]] - 1)
         assert best[name]["best_gap_percent"] == [pytest.approx(expected)]
         assert all(ratio >= 1.0 for ratio in best[name]["worst_ratio_to_adamw_by_lr"].values())  # step 0: the base
+
+
+def test_real_lm_sweeps_rates_and_seeds(tmp_path: pathlib.Path) -> None:
+    """``real_lm.py --lrs --seeds``: every row at every rate and seed (a seed is a batch order), a constant schedule,
+    and best against best from the shared ``rate_sweep`` summary, recomputed here from the raw runs."""
+    pytest.importorskip("transformers")
+    extra = ("--lrs", "2e-3", "4e-3", "--seeds", "2", "--schedule", "constant", "--rows", "adamw", "zenflow", "s8")
+    stdout, result, _ = run_quick("real_lm", tmp_path, "--row", 's8={"update_interval": 8}', *extra)
+    assert "Best against best" in stdout
+    runs = result["runs"]
+    cells = sorted((run["row"], run["lr"], run["seed"]) for run in runs)
+    assert cells == sorted(
+        (row, lr, seed) for row in ("adamw", "zenflow", "s8") for lr in (2e-3, 4e-3) for seed in (0, 1)
+    )
+    final = {(run["row"], run["lr"], run["seed"]): run["final_heldout_loss"] for run in runs}
+    assert final["adamw", 2e-3, 0] != final["adamw", 2e-3, 1]  # the seeds are different batch orders
+    best = result["best_of_rates"]
+    adamw_lr = min((2e-3, 4e-3), key=lambda lr: final["adamw", lr, 0] + final["adamw", lr, 1])
+    for row in ("zenflow", "s8"):
+        lr = min((2e-3, 4e-3), key=lambda lr: final[row, lr, 0] + final[row, lr, 1])
+        assert best[row]["best_lr"] == lr
+        expected = [100 * (final[row, lr, seed] / final["adamw", adamw_lr, seed] - 1) for seed in (0, 1)]
+        assert best[row]["best_gap_percent"] == pytest.approx(expected)
+        for run in runs:
+            if run["row"] == row:
+                paired = final["adamw", run["lr"], run["seed"]]
+                assert run["gap_to_adamw_pct"] == pytest.approx(100 * (run["final_heldout_loss"] / paired - 1))
 
 
 def test_real_lm_quick(tmp_path: pathlib.Path) -> None:
