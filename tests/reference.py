@@ -476,8 +476,9 @@ class ReferenceZenFlow:
         self.selection_changes = 0
 
     def _interim_step(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, dtypes: list) -> float:
-        """``"auto"``: 1.5 with windows longer than one step, host columns, fp32 or bf16 matrices and no Adam L2 term
-        (written here as a number, not read from the package: docs/update_rule.md states it)."""
+        """``"auto"``: with windows longer than one step, host columns, fp32 or bf16 matrices and no Adam L2 term, 1.5 at
+        windows of up to 4 steps and 1.5 * 4 / S at longer ones (written here as numbers, not read from the package:
+        docs/update_rule.md states them)."""
         if config.interim_step != "auto":
             return float(config.interim_step)
         groups = [RefHyperParams.read(group) for group in param_groups]
@@ -487,7 +488,7 @@ class ReferenceZenFlow:
             and all(dtype in (torch.float32, torch.bfloat16) for dtype in dtypes)
             and all(hp.decoupled or hp.weight_decay == 0 for hp in groups)
         )
-        return 1.5 if applies else 0.0
+        return 1.5 * min(1.0, 4 / self.interval) if applies else 0.0
 
     def _policy(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, trainable: list) -> HostPolicy:
         """docs/update_rule.md: the host keeps fp32 masters only without interim moves, for Adam's L2 decay or, in the

@@ -85,7 +85,7 @@ class Case:
     optimizer: str  # "adam-mixed" or "adamw"
     land_after: int | None = None
     overlap_after: int = 0
-    interim: float = 0.0
+    interim: float | str = 0.0
     accumulate_on: str = "auto"
     host_state: str = "fp32"
 
@@ -361,15 +361,17 @@ INTERIM_CASES = [
     Case(0.5, 3, 2, True, "epoch", "l2", "adamw", land_after=1, interim=0.5),
     Case(0.0, 3, 0, True, "S", "l2", "adamw", interim=1.0, accumulate_on="host"),  # every column on the host
     Case(0.1, 1, 0, True, "S", "l2", "adamw", interim=1.0),  # S = 1: no moves, the landing adds the step
+    Case(0.5, 5, 0, True, "S", "l2", "adamw", interim="auto"),  # "auto" at a window of 5: 1.5 * 4 / 5
 ]
 
 
 @pytest.mark.parametrize("case", INTERIM_CASES, ids=[case.id for case in INTERIM_CASES])
 def test_interim_step_equals_reference(case: Case) -> None:
     """``interim_step``: the host columns move at every step on the device and the host step is added when it
-    lands, in the engine as in the reference (both accumulation modes, warm-up, refresh and migration, land_after)."""
+    lands, in the engine as in the reference (both accumulation modes, warm-up, refresh and migration, land_after,
+    ``"auto"``'s size at a window longer than 4)."""
     history, ref = _run_against_reference(case)
-    assert sum(stats.window_end for stats, _ in history) >= 3
+    assert sum(stats.window_end for stats, _ in history) >= (3 if case.interval <= 3 else 2)
     assert all(m.interim_decay < 1 for m in ref.matrices if m.name != "sparse.weight" and not m.selected.all())
 
 

@@ -83,7 +83,7 @@ def resolve_format(
     slot = MatrixSlot(param=weight, name="matrix", group_index=0, index_in_group=0, rows=1, cols=1, offset=0)
     layout = [GroupLayout(index=0, matrices=[slot])]
     hparams = [HyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay, decoupled=decoupled)]
-    interim = resolve_interim_scale(config, layout, hparams) > 0
+    interim = resolve_interim_scale(config, layout, hparams) != 0
     return resolve_host_format(config, layout, hparams, interim).for_mode(accumulate_on), interim
 
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from lightning_zenflow.config import AUTO_INTERIM_STEP, ZenFlowConfig
+from lightning_zenflow.config import ZenFlowConfig, auto_interim_step
 from lightning_zenflow.engine.device import HyperParams, SelectedState
 from lightning_zenflow.engine.errors import UnsupportedSetupError
 from lightning_zenflow.engine.kernels import Kernels
@@ -81,9 +82,12 @@ class InterimMoves:
     a vector of the whole matrix's rows and columns, and one all-reduce per step sums them, so every rank holds what
     one process would (the column sums to float rounding); a shard moves with its rows of the scales."""
 
-    def __init__(self, lanes: Lanes, scale: float, kernels: Kernels, ranks: Ranks | None = None) -> None:
+    def __init__(
+        self, lanes: Lanes, scale: float | Literal["auto"], kernels: Kernels, ranks: Ranks | None = None
+    ) -> None:
         self.lanes = lanes
-        self.scale = float(scale)
+        self.scale = scale if scale == "auto" else float(scale)
+        """``interim_step``: a number, or ``"auto"`` (``auto_interim_step`` of each step's window)."""
         self.kernels = kernels
         self.ranks = ranks or Ranks()
         self.shard_rows: dict[str, tuple[int, int]] = {}
@@ -93,6 +97,10 @@ class InterimMoves:
         """The kernels' ``keep`` when no step can overflow: one compiled graph whether or not a loss scaler runs."""
         self._prepared: set[tuple] = set()
         """Kinds of lane work whose kernels are built (gradient and weight dtypes, statistics or not)."""
+
+    def scale_at(self, interval: int) -> float:
+        """The moves' size at a window of ``interval`` steps (``update_interval="auto"`` changes it once)."""
+        return auto_interim_step(interval) if self.scale == "auto" else self.scale
 
     def _stats_of(self, state: SelectedState) -> MatrixStatistics:
         slot = state.slot
@@ -126,7 +134,7 @@ class InterimMoves:
         update, which reads the same gradients; the moves write only host columns)."""
         work = []
         for group_states, hp in zip(groups, hparams):
-            coefficient = self.scale * hp.lr * (interval - 1) / interval
+            coefficient = self.scale_at(interval) * hp.lr * (interval - 1) / interval
             for state in group_states:
                 grad = state.slot.param.grad
                 if grad is None or state.k == state.slot.cols:
@@ -383,10 +391,10 @@ def _moves(kernels: Kernels, work: list, keep: torch.Tensor) -> None:
 
 def resolve_interim_scale(
     config: ZenFlowConfig, layout: Sequence[GroupLayout], hparams: Sequence[HyperParams]
-) -> float:
-    """``interim_step`` as a number: an explicit one is checked against the model (fp32 or bf16 weights, AdamW-style
-    decay); ``"auto"`` is ``AUTO_INTERIM_STEP`` where those hold and windows are longer than one step, else 0 (the
-    paper's rule)."""
+) -> float | Literal["auto"]:
+    """``interim_step`` for this model: 0 for no moves (the paper's rule); an explicit number, checked against the
+    model (fp32 or bf16 weights, AdamW-style decay); ``"auto"`` where those hold and windows are longer than one step
+    (the size then follows each step's window, ``auto_interim_step``), else 0."""
     value = config.interim_step
     odd = sorted({str(s.param.dtype) for g in layout for s in g.matrices if s.param.dtype not in MOVED_DTYPES})
     if value == "auto":
@@ -396,7 +404,7 @@ def resolve_interim_scale(
             and not odd
             and all(hp.decoupled or not hp.weight_decay for hp in hparams)
         )
-        return AUTO_INTERIM_STEP if applies else 0.0
+        return "auto" if applies else 0.0
     value = float(value)
     if value <= 0:
         return 0.0

@@ -136,8 +136,8 @@ class EngineLifecycle:
         if self._started:
             return self
         hparams = self.read_hparams()
-        self.interim_scale = resolve_interim_scale(self.config, self.layout, hparams)
-        self.host_format = resolve_host_format(self.config, self.layout, hparams, self.interim_scale > 0)
+        interim_step = resolve_interim_scale(self.config, self.layout, hparams)
+        self.host_format = resolve_host_format(self.config, self.layout, hparams, interim_step != 0)
         self.lanes = Lanes(self.device, self._stage_delays)
         # shared memory and RAM first: one clear error if short (for every rank on this machine)
         check_host_resources(
@@ -154,9 +154,7 @@ class EngineLifecycle:
         # built on this (the training) thread before any lane runs them; the size rule of "auto" counts this rank's rows
         host_elements = sum(slot.host_numel for group in self.layout for slot in group.matrices)
         self.kernels = Kernels(self.config.interim_kernel, self.device, elements=host_elements)
-        self.interim = (
-            InterimMoves(self.lanes, self.interim_scale, self.kernels, self.ranks) if self.interim_scale > 0 else None
-        )
+        self.interim = InterimMoves(self.lanes, interim_step, self.kernels, self.ranks) if interim_step != 0 else None
         self.helper = Helper(self.lanes)
         self.window = WindowEnd(self.lanes, self.layout)
         self.landing = Landing(self.helper)
@@ -338,6 +336,11 @@ class EngineLifecycle:
     @property
     def update_interval(self) -> int:
         return self.schedule.interval
+
+    @property
+    def interim_scale(self) -> float:
+        """The interim moves' size at the current window (``interim_step``; 0: no moves)."""
+        return 0.0 if self.interim is None else self.interim.scale_at(self.update_interval)
 
     @property
     def t(self) -> int:
