@@ -19,7 +19,7 @@ import torch
 import worker_fakes
 from reference import RefHyperParams, compact_update, unit
 
-from lightning_zenflow.config import ZenFlowConfig
+from lightning_zenflow.config import AUTO_INTERIM_STEP, ZenFlowConfig, auto_interim_step
 from lightning_zenflow.engine import HostWorkerError, ZenFlowEngine, choose_update_interval, spares
 from lightning_zenflow.engine import schedule as schedule_module
 from lightning_zenflow.engine.device import HyperParams
@@ -447,6 +447,9 @@ def test_auto_update_interval_grows_for_a_host_heavy_workload(monkeypatch):
     assert all(s.update_interval == chosen for s in stats[8:])
     assert [s.step for s in stats[8:] if s.window_end] == [8 + chosen, 8 + 2 * chosen]
     assert engine.update_interval == chosen
+    # interim_step="auto" follows the chosen window (smaller moves beyond 4 steps)
+    assert engine.interim_scale == pytest.approx(auto_interim_step(chosen))
+    assert engine.interim_scale < AUTO_INTERIM_STEP
 
 
 def test_auto_interval_with_the_default_warm_up_decides_during_the_warm_up() -> None:

@@ -186,6 +186,20 @@ def test_auto_is_on_where_it_applies_and_off_elsewhere() -> None:
     assert scale(model, torch.optim.Adam(model.parameters())) == 1.5
 
 
+@pytest.mark.parametrize(("interval", "expected"), [(2, 1.5), (4, 1.5), (5, 1.2), (6, 1.0), (8, 0.75), (16, 0.375)])
+def test_auto_size_shrinks_beyond_windows_of_four(interval: int, expected: float) -> None:
+    """``"auto"``: 1.5 up to S = 4, then 1.5 * 4 / S (docs/update_rule.md, "Defaults, and why"); an explicit size is
+    kept at every window."""
+    model = _model()
+    config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=interval)
+    with _engine(model, _optimizer(model), config) as engine:
+        assert engine.interim_scale == pytest.approx(expected)
+    model = _model()
+    config = ZenFlowConfig(full_warm_up_rounds=0, update_interval=interval, interim_step=1.5)
+    with _engine(model, _optimizer(model), config) as engine:
+        assert engine.interim_scale == 1.5
+
+
 @pytest.mark.parametrize("value", [-0.5, 5.0, True, "1", "on"])
 def test_bad_values_are_refused(value: object) -> None:
     with pytest.raises((TypeError, ValueError), match="interim_step"):

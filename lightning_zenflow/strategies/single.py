@@ -39,7 +39,7 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         overlap_step: run the host update in the background (its result lands one window later).
         land_after: with overlap, land the host update this many steps after its window (None: a window later).
         overlap_after: windows closing at steps up to this land at once (the device waits); later ones overlap.
-        interim_step: move host columns between host updates (``"auto"``: 1.5 where it applies; 0: the paper).
+        interim_step: move host columns between host updates (``"auto"``: 1.5, less past windows of 4; 0: the paper).
         interim_kernel: the moves' passes ``"compiled"`` (torch.compile, one fused kernel) or ``"eager"``; ``"auto"``
             compiles where a compiler is found.
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
