@@ -106,7 +106,7 @@ def test_every_shipped_yaml_parses_through_the_cli(
 
 # ------------------------------------------------------------------------------------------------ benchmarks
 BENCHMARKS = ROOT / "benchmarks"
-BENCHMARK_HELPERS = {"bench_utils", "offload_report", "domains"}
+BENCHMARK_HELPERS = {"bench_utils", "offload_report", "domains", "rate_sweep"}
 """The scripts in benchmarks/ that are imported by the others, not run: each other script answers one question."""
 
 
