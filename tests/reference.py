@@ -117,29 +117,27 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def unit(*parts: int) -> float:
-    """24 bits of a splitmix64 chain over the parts, in [0, 1)."""
+def hash_bits(*parts: int) -> int:
+    """The top 16 bits of a splitmix64 chain over the parts."""
     x = 0
     for part in parts:
         x = _mix((x ^ (part & _MASK64)) + _GOLDEN & _MASK64)
-    return (x >> 40) / float(1 << 24)
+    return x >> 48
 
 
-def round_bf16(value: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of fp32 ``value`` to bf16 (returned as fp32): ``|value| + u * d`` floored to the bf16 grid
-    (``d`` the grid's spacing at ``|value|``, from the unit in the first place, Rump's algorithm), sign restored."""
-    a = value.abs()
-    ufp = (a * (2.0**23 + 1.0) - a * (2.0**23 + 1.0) * (1.0 - 2.0**-24)).abs()
-    d = ufp * 2.0**-7
-    shifted = a + u * d - d * 0.5
-    floored = (shifted + d * (1.5 * 2.0**23)) - d * (1.5 * 2.0**23)
-    kept = torch.where(a < 2.0**100, floored, a)
-    return kept.copysign(value).to(torch.bfloat16).float()
+def round_bf16(value: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of fp32 ``value`` to bf16 (returned as fp32): the unsigned 32-bit pattern plus the random
+    16-bit ``r``, shifted down by 16 (the carry into bit 16 rounds the magnitude up); NaN stays NaN."""
+    pattern = value.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = ((pattern + r.to(torch.int64)) >> 16) & 0xFFFF
+    rounded = (high << 16).to(torch.int64)
+    as_float = torch.where(rounded >= 1 << 31, rounded - (1 << 32), rounded).to(torch.int32).view(torch.float32)
+    return torch.where(value.isnan(), value, as_float)
 
 
-def lattice(row_u: torch.Tensor, col_u: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    total = row_u[:, None] + col_u[None, :] + offset
-    return total - total.floor()
+def lattice(row_r: torch.Tensor, col_r: torch.Tensor, offset: int) -> torch.Tensor:
+    """``(row_r[i] + col_r[j] + offset) mod 2**16`` (int64)."""
+    return (row_r.to(torch.int64)[:, None] + col_r.to(torch.int64)[None, :] + int(offset)) % 65536
 
 
 def compact_update(
@@ -167,7 +165,7 @@ def compact_update(
             hp.lr / (1.0 - hp.beta1**count),
             1.0 / math.sqrt(1.0 - hp.beta2**count),
             hp.eps,
-            unit(salt, PURPOSE_EXP_AVG_SQ, count),
+            hash_bits(salt, PURPOSE_EXP_AVG_SQ, count),
             hp.weight_decay if with_master and not hp.decoupled else 0.0,
             1.0 - hp.lr * hp.weight_decay if with_master and hp.decoupled else 1.0,
         ],
@@ -183,7 +181,7 @@ def compact_update(
     step = -scalars[5] * m / (v.double().sqrt().float() * scalars[6] + scalars[7])
     if stochastic:
         m = m.to(torch.bfloat16).float()
-        v = round_bf16(v, lattice(row_u, col_u, scalars[8]))
+        v = round_bf16(v, lattice(row_u, col_u, int(scalars[8])))
     result = master * scalars[10] + step if with_master else step
     return m, v, result
 
@@ -250,8 +248,8 @@ class _Matrix:
         # the compact state's random numbers: per row and per column of this matrix, and its salt (from its place
         # among the group's matrices)
         self.salt = zlib.crc32(f"{group}:{index_in_group}".encode())
-        self.row_u = torch.tensor([unit(self.salt, i) for i in range(self.rows)], dtype=torch.float32)
-        self.col_u = torch.tensor([unit(self.salt ^ COLUMN_SALT, j) for j in range(self.cols)], dtype=torch.float32)
+        self.row_u = torch.tensor([hash_bits(self.salt, i) for i in range(self.rows)])
+        self.col_u = torch.tensor([hash_bits(self.salt ^ COLUMN_SALT, j) for j in range(self.cols)])
 
     def grad2d(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         return None if grad is None else grad.detach().float().reshape(self.rows, self.cols)
@@ -260,7 +258,7 @@ class _Matrix:
         """A window's running sum as the device keeps it after the addition of step ``t``."""
         if not self.policy.bf16_sums:
             return total
-        return round_bf16(total, lattice(self.row_u, self.col_u, torch.tensor(unit(self.salt, PURPOSE_ACCUMULATE, t))))
+        return round_bf16(total, lattice(self.row_u, self.col_u, hash_bits(self.salt, PURPOSE_ACCUMULATE, t)))
 
     def _host_step(self, sums: torch.Tensor, divisor: int, hp: RefHyperParams, cols: torch.Tensor | None) -> None:
         """One host update of the columns ``cols`` (all when None) from the window's ``sums``; the count is already

@@ -112,8 +112,11 @@ def test_delayed_asynchronous_stages_change_nothing_bitwise(accumulate_on):
     undelayed = _run(accumulate_on)
     delayed = _run(accumulate_on, delays=DELAYS)
     _assert_same(undelayed, delayed)
-    # the delays were real: the slow worker made the training thread wait at some window ends
-    assert sum(s.stall_s for s in delayed[2]) > sum(s.stall_s for s in undelayed[2])
+    # the delays were real: every host update the delayed run timed took at least the worker's delay (a count, not a
+    # comparison of two runs' timings, which a loaded machine can turn around)
+    host_seconds = [s.host_update_s for s in delayed[2] if s.host_update_s is not None]
+    assert host_seconds
+    assert min(host_seconds) >= DELAYS["worker"]
 
 
 def test_unknown_stage_to_delay_is_refused():

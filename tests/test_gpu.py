@@ -3,6 +3,11 @@
 Skipped without CUDA. ``scripts/gpu_checks.sh`` runs every test marked ``gpu`` (``pytest tests/ -m gpu``) together
 with the GPU benchmarks in one short run.
 
+``LIGHTNING_ZENFLOW_GPU_TESTS_ON=cpu`` rehearses them on the CPU (``scripts/gpu_dryrun.sh``, and the slow tier's
+``tests/test_gpu_checks.py``): every test that is not about CUDA itself (streams, pinned pages, synchronisations,
+NCCL, CUDA's allocator) runs with the CPU as its device, so a test that has gone stale (an attribute the engine no
+longer has, an expectation the rule no longer meets) fails here, not in the first minutes of a GPU machine.
+
 Races need work to race with. ``_run`` trains a toy model whose "backward" reads the current weights (each gradient
 is a fixed random tensor plus half the weight), so a forward that does not wait for the engine's writes, or a
 gradient freed while a side stream still reads it, changes the result; the delay tests slow each asynchronous stage
@@ -15,6 +20,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import os
 import pathlib
 import time
 from dataclasses import dataclass
@@ -34,17 +40,19 @@ from lightning_helpers import (
 )
 
 from lightning_zenflow import ZenFlowPrecision, ZenFlowStrategy
-from lightning_zenflow.config import ZenFlowConfig, num_selected_columns
+from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
-from lightning_zenflow.engine.accumulate import STAGING_SLOT_BYTES
 
+REHEARSAL = os.environ.get("LIGHTNING_ZENFLOW_GPU_TESTS_ON", "").strip().lower() == "cpu"
+"""The CPU rehearsal of these tests (the module docstring)."""
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not REHEARSAL and not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.usefixtures("no_leaked_children"),
 ]
+cuda_only = pytest.mark.skipif(REHEARSAL, reason="about CUDA itself: not rehearsed on the CPU")
 
-DEVICE = "cuda"
+DEVICE = "cpu" if REHEARSAL else "cuda"
 MODES = ["device", "host"]
 STAGE_DELAYS = {"side": 0.02, "d2h": 0.02, "h2d": 0.02, "helper": 0.02, "worker": 0.05}
 CPU_TOLERANCE = 1e-5
@@ -219,8 +227,15 @@ def test_bf16_model_on_cuda_equals_the_cpu_engine_in_bf16() -> None:
 # --------------------------------------------------------------------------------- numbers: CUDA against CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_device_and_host_accumulation_are_bitwise_equal_on_cuda(dtype: torch.dtype) -> None:
+    # the exact state: both modes sum in fp32 in the same order (the compact state's device sum is rounded at every
+    # step, the host mode's is not: docs/update_rule.md)
     config = ZenFlowConfig(
-        full_warm_up_rounds=0, topk_ratio=0.25, update_interval=3, select_strategy="step", select_interval=6
+        full_warm_up_rounds=0,
+        topk_ratio=0.25,
+        update_interval=3,
+        select_strategy="step",
+        select_interval=6,
+        host_state="fp32",
     )
     device = _run(DEVICE, config.replace(accumulate_on="device"), dtype=dtype)
     host = _run(DEVICE, config.replace(accumulate_on="host"), dtype=dtype)
@@ -302,6 +317,7 @@ def test_adversarial_streams_give_bitwise_the_default_on_cuda(accumulate_on: str
     _assert_bitwise(default, adversarial)
 
 
+@cuda_only
 def test_a_host_block_dtensor_stays_on_the_host_under_a_cuda_mesh(tmp_path: pathlib.Path) -> None:
     """The review's N3, on one GPU: the sharded checkpoint's DTensor of a CPU row block keeps it on the CPU (and
     shares its memory) even though the mesh is a CUDA one."""
@@ -357,6 +373,7 @@ class _QuietModule(TinyModule):
         return loss
 
 
+@cuda_only
 def test_a_lightning_fit_makes_no_host_sync_per_step_on_cuda() -> None:
     """The review's N2: the telemetry's progress-bar value was a Python float, which Lightning turns into a device
     tensor with a blocking copy every step. Steady-state steps of a fit (no refresh, no progress bar reading the
@@ -400,40 +417,49 @@ def test_cuda_resume_with_update_in_flight_is_exact(accumulate_on: str) -> None:
     assert_weights_equal(weights(resumed), weights(reference))
 
 
+@cuda_only
 # ------------------------------------------------------------------------------ streams, pinning, host waits
 @pytest.mark.parametrize("accumulate_on", MODES)
 def test_streams_events_and_pinned_host_memory(accumulate_on: str) -> None:
     model = _model(torch.bfloat16).to(DEVICE)
-    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, accumulate_on=accumulate_on)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, accumulate_on=accumulate_on)
     with ZenFlowEngine(_optimizer(model), config, param_names=_names(model)) as engine:
         lanes = engine.lanes
-        streams = [lanes.side, lanes.d2h, lanes.h2d]
+        streams = [lanes.side.stream, lanes.d2h.stream, lanes.h2d.stream]
         assert all(isinstance(stream, torch.cuda.Stream) for stream in streams)
         handles = {stream.cuda_stream for stream in streams} | {torch.cuda.current_stream().cuda_stream}
         assert len(handles) == 4, "side, d2h and h2d are three streams apart from the compute stream"
+        assert lanes.compute.stream == torch.cuda.current_stream()
         assert isinstance(engine.device_updater.update_done.cuda_event, torch.cuda.Event)
+        # the accumulation (and its window rows) is chosen at the first step, once the gradients exist; a landing
+        # allocates the buffer the steps go up through
+        for _ in range(3):
+            engine.wait_for_update()
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            assert engine.step().accumulate_on == accumulate_on
+        engine.flush()
         for host in engine.host_buffers:
-            # the accumulator rows registered in place with cudaHostRegister: still shared with the worker, now also
-            # pinned; the moments are never copied asynchronously and stay unpinned (a bf16 model: the master too)
-            assert host.block_shared.is_shared()
-            assert host.grad_acc(0).is_pinned()
-            assert host.grad_acc(1).is_pinned()
-            assert not host.exp_avg.is_pinned()
-        # the accumulation is built at the first step, once the gradients exist
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        assert engine.step().accumulate_on == accumulate_on
+            # the window rows registered in place with cudaHostRegister: still shared with the worker, now also
+            # pinned; the moments are never copied asynchronously and stay unpinned
+            assert all(row.is_shared() and row.is_pinned() for row in host.windows)
+            assert len(host.windows) == (2 if accumulate_on == "host" else 1)
+            for moments in (host.exp_avg, host.exp_avg_sq):
+                assert moments.is_shared()
+                assert not moments.is_pinned()
         accumulation = engine.accumulation
         if accumulate_on == "host":
             assert all(t.is_pinned() for t in accumulation.ring_host)
             assert all(t.is_cuda for t in accumulation.ring_device)
-            assert engine.uploads.buffers_device is None, "host mode uploads straight from pinned host memory"
         else:
-            assert all(t.is_cuda and t.dtype == torch.float32 for t in accumulation.acc_device.values())
-            assert all(t.is_cuda and t.dtype == torch.bfloat16 for t in engine.uploads.buffers_device.values())
-        engine.flush()
+            window = engine.host_format.window  # bf16 in the compact state, the default
+            assert all(t.is_cuda and t.dtype == window for t in accumulation.acc_device.values())
+        assert engine.uploads.ring_device is not None
+        assert engine.uploads.ring_device.is_cuda
+        assert all(t.is_pinned() for t in engine.window.kept_host)
 
 
+@cuda_only
 @pytest.mark.parametrize("accumulate_on", MODES)
 def test_no_host_synchronisation_on_the_hot_path(accumulate_on: str) -> None:
     """Steps that are not refreshes, window ends included, make no synchronising CUDA call."""
@@ -464,6 +490,7 @@ def test_no_host_synchronisation_on_the_hot_path(accumulate_on: str) -> None:
         engine.flush()
 
 
+@cuda_only
 def test_device_mode_steps_between_window_ends_never_wait_for_the_gpu() -> None:
     """The training thread, timed: with every step's side-stream work slowed by ``delay`` on the GPU, device-mode
     steps that are neither refreshes nor window ends return in a fraction of it. ``set_sync_debug_mode`` does not
@@ -489,29 +516,35 @@ def test_device_mode_steps_between_window_ends_never_wait_for_the_gpu() -> None:
 
 
 @pytest.mark.parametrize("accumulate_on", MODES)
-def test_device_bytes_follow_the_memory_model(accumulate_on: str) -> None:
-    """rho x 16 B per matrix element (fp32 master, two moments, a gradient work buffer), 8 B per column index,
-    per vector element 8 B (two moments; an fp32 vector is its own master); then device mode adds an fp32
-    accumulator and a model-dtype upload buffer per matrix element, host mode its two staging slots."""
-    model = _model().to(DEVICE)
-    ratio = 0.25
-    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=ratio, accumulate_on=accumulate_on)
-    with ZenFlowEngine(_optimizer(model), config, param_names=_names(model)) as engine:
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        engine.step()
-        device_bytes = engine.device_bytes()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_device_bytes_follow_the_memory_model(accumulate_on: str, dtype: torch.dtype) -> None:
+    """What the engine holds on the device after the first selection and a landing is, byte for byte, what
+    ``engine/budget.py`` (the planner's model, docs/performance.md) says: the selected columns' state, the 1-D
+    parameters' state, the accumulation's buffers (device mode: the bf16 window sum and its rounding's numbers; host
+    mode: two staging slots), the landing's buffer on CUDA, the interim moves' statistics."""
+    from lightning_zenflow.engine.budget import MatrixShape, VectorShape, device_bytes
+
+    model = _model(dtype).to(DEVICE)
+    config = ZenFlowConfig(full_warm_up_rounds=0, topk_ratio=0.25, update_interval=2, accumulate_on=accumulate_on)
+    optimizer = _optimizer(model)
+    with ZenFlowEngine(optimizer, config, param_names=_names(model)) as engine:
+        for _ in range(5):
+            engine.wait_for_update()
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            engine.step()
         engine.flush()
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
-    expected = sum(16 * p.shape[0] * num_selected_columns(p[0].numel(), ratio) + 8 * p[0].numel() for p in matrices)
-    expected += 8 * sum(p.numel() for p in vectors)
-    if accumulate_on == "device":
-        expected += sum(p.numel() * (4 + p.element_size()) for p in matrices)
-    else:
-        slot = min(STAGING_SLOT_BYTES, max(p.numel() * p.element_size() for p in matrices))
-        expected += 2 * slot
-    assert device_bytes == expected
+        held = engine.device_bytes()
+        host_format, interim = engine.host_format, engine.interim is not None
+    matrices, vectors = [], []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p.ndim >= 2:
+                rows, cols = p.shape[0], p.numel() // p.shape[0]
+                matrices.append(MatrixShape(rows, cols, rows, p.element_size(), group_index))
+            else:
+                vectors.append(VectorShape(p.numel(), p.element_size()))
+    assert held == device_bytes(matrices, vectors, config, host_format, torch.device(DEVICE).type, interim)
 
 
 # ------------------------------------------------------------------------------------------- Lightning on CUDA
@@ -522,7 +555,7 @@ def _cuda_fit(strategy: Any = "auto", module: TinyModule | None = None, **traine
 def test_lightning_fit_bf16_true_on_cuda(tmp_path: pathlib.Path) -> None:
     from lightning_zenflow.demo import ByteCorpusDataModule, CausalLMModule
 
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated() if not REHEARSAL else 0
     model = CausalLMModule(n_layer=2, n_embd=128, block_size=64, seed_model=0)
     data = ByteCorpusDataModule(block_size=64, batch_size=8, max_bytes=400_000, samples_per_epoch=400)
     trainer = lightning.Trainer(
@@ -542,6 +575,8 @@ def test_lightning_fit_bf16_true_on_cuda(tmp_path: pathlib.Path) -> None:
     trainer.save_checkpoint(tmp_path / "final.ckpt")
     checkpoint = torch.load(tmp_path / "final.ckpt", map_location="cpu", weights_only=True)
     assert checkpoint["optimizer_states"][0]["state"][0]["exp_avg"].dtype == torch.float32
+    if REHEARSAL:
+        return
     # the data module keeps the trainer (datamodule.trainer), the trainer the model: drop all three, collect cycles
     del trainer, model, data
     gc.collect()

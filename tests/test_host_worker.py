@@ -17,7 +17,7 @@ import weakref
 import pytest
 import torch
 import worker_fakes
-from reference import RefHyperParams, compact_update, unit
+from reference import RefHyperParams, compact_update, hash_bits
 
 from lightning_zenflow.config import AUTO_INTERIM_STEP, ZenFlowConfig, auto_interim_step
 from lightning_zenflow.engine import HostWorkerError, ZenFlowEngine, choose_update_interval, spares
@@ -137,8 +137,8 @@ def test_host_adam_update_without_masters_writes_the_step(host_state):
     ref_hp = RefHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
     extent = MatrixExtent(0, rows * cols, torch.float32, cols, 0, salt=12345, row_start=2)
     group = _group(rows * cols, dtype, dtype, master=False)
-    row_u = torch.tensor([unit(12345, 2 + i) for i in range(rows)], dtype=torch.float32)
-    col_u = torch.tensor([unit(12345 ^ COLUMN_SALT, j) for j in range(cols)], dtype=torch.float32)
+    row_u = torch.tensor([hash_bits(12345, 2 + i) for i in range(rows)])
+    col_u = torch.tensor([hash_bits(12345 ^ COLUMN_SALT, j) for j in range(cols)])
     m = torch.zeros(rows, cols)
     v = torch.zeros(rows, cols)
     weights = torch.randn(rows, cols)

@@ -34,7 +34,7 @@ from lightning_zenflow.engine.kernels import (
     stochastic_round_bf16,
 )
 from lightning_zenflow.engine.notices import ZenFlowNotice
-from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, offset_of, unit_table
+from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, bits_table, offset_of
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
@@ -75,10 +75,12 @@ def _inputs(rows: int, cols: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _moves(dtype: torch.dtype, keep: bool) -> Callable[[Kernels, dict], list[torch.Tensor]]:
     def run(kernels: Kernels, x: dict) -> list[torch.Tensor]:
+        device = x["grad"].device
         grad, weight = x["grad"].to(dtype), x["weight"].to(dtype).clone()
-        args = (x["row_scale"], x["col_scale"], x["mask"], 1e-8, 3e-4, torch.tensor(1.0) if keep else None)
+        keep_tensor = torch.tensor(1.0, device=device) if keep else None
+        args = (x["row_scale"], x["col_scale"], x["mask"], 1e-8, 3e-4, keep_tensor)
         if dtype == torch.bfloat16:
-            kernels.moves_bf16_(grad, weight, *args, 5, torch.tensor(11, dtype=torch.int64))
+            kernels.moves_bf16_(grad, weight, *args, 5, torch.tensor(11, dtype=torch.int64, device=device))
         else:
             kernels.moves_fp32_(grad, weight, *args)
         return [weight]
@@ -89,7 +91,8 @@ def _moves(dtype: torch.dtype, keep: bool) -> Callable[[Kernels, dict], list[tor
 def _landing(dtype: torch.dtype) -> Callable[[Kernels, dict], list[torch.Tensor]]:
     def run(kernels: Kernels, x: dict) -> list[torch.Tensor]:
         weight = x["weight"].to(dtype).clone()
-        kernels.landing_add_(weight, x["grad"], 1.0 - 3e-4 * 0.1, 7, torch.tensor(5, dtype=torch.int64))
+        seed = torch.tensor(5, dtype=torch.int64, device=weight.device)
+        kernels.landing_add_(weight, x["grad"], 1.0 - 3e-4 * 0.1, 7, seed)
         return [weight]
 
     return run
@@ -99,8 +102,10 @@ def _window_sum(grad_dtype: torch.dtype, first: bool) -> Callable[[Kernels, dict
     def run(kernels: Kernels, x: dict) -> list[torch.Tensor]:
         rows, cols = x["grad"].shape
         acc = x["weight"].bfloat16()
-        row_u, col_u = unit_table(3, 0, rows), unit_table(4, 0, cols)
-        kernels.accumulate_bf16_(acc, x["grad"].to(grad_dtype), row_u, col_u, torch.tensor(0.375), first)
+        device = x["grad"].device
+        row_r, col_r = bits_table(3, 0, rows).to(device), bits_table(4, 0, cols).to(device)
+        offset = torch.tensor(24576, dtype=torch.int32, device=device)
+        kernels.accumulate_bf16_(acc, x["grad"].to(grad_dtype), row_r, col_r, offset, first)
         return [acc]
 
     return run
@@ -167,10 +172,10 @@ def test_the_compiled_window_sum_rounds_stochastically(compiled: Kernels) -> Non
     rows, cols = 200, 100
     acc = torch.ones(rows, cols, dtype=torch.bfloat16)
     quarter = torch.full((rows, cols), 2.0**-7 / 4.0)
-    row_u, col_u = unit_table(1, 0, rows), unit_table(2, 0, cols)
+    row_r, col_r = bits_table(1, 0, rows), bits_table(2, 0, cols)
     for step in range(8):
-        offset = torch.tensor(offset_of(12345, PURPOSE_ACCUMULATE, step))
-        compiled.accumulate_bf16_(acc, quarter, row_u, col_u, offset, False)
+        offset = torch.tensor(offset_of(12345, PURPOSE_ACCUMULATE, step), dtype=torch.int32)
+        compiled.accumulate_bf16_(acc, quarter, row_r, col_r, offset, False)
     assert acc.float().mean().item() == pytest.approx(1.0 + 8 * 2.0**-7 / 4.0, rel=3e-4)
 
 
@@ -412,6 +417,28 @@ def test_an_engine_with_interim_moves_trains_compiled_as_eager(dtype: torch.dtyp
         gap = (compiled[name] - value).abs().mean()
         trained = (value - initial[name].float()).abs().mean()
         assert gap < 0.05 * trained, (name, float(gap), float(trained))
+
+
+DEVICE_KERNELS = [name for name in ELEMENTWISE if not name.startswith("host step")]
+"""The kernels that run on the device (the host step runs in the host worker, on the CPU)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", DEVICE_KERNELS)
+def test_every_device_kernel_compiled_on_cuda_gives_the_eager_bits_on_cuda(name: str) -> None:
+    """Triton's builds of the same functions, with eager's numerics asked for (``engine/compiled.py``: IEEE division,
+    no flush of subnormals, the casts kept): bit for bit what eager CUDA computes, so an eager fallback on a GPU
+    changes no number either."""
+    cuda = torch.device("cuda")
+    compiled_cuda, eager_cuda = Kernels("compiled", cuda), Kernels("eager", cuda)
+    run = ELEMENTWISE[name]
+    for shape in ((37, 11), (64, 48), (300, 257)):
+        x = {key: value.to(cuda) for key, value in _inputs(*shape, seed=len(name)).items()}
+        got, expected = run(compiled_cuda, x), run(eager_cuda, x)
+        for a, b in zip(got, expected):
+            assert torch.equal(_bits(a), _bits(b)), (name, shape)
+    assert compiled_cuda.eager_calls == 0, "the builds ran, not the eager fallback"
 
 
 @pytest.mark.gpu

@@ -27,7 +27,8 @@ from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine import lane as lane_module
 from lightning_zenflow.engine import lanes as lanes_module
-from lightning_zenflow.engine.lane import LaneError
+from lightning_zenflow.engine.interim import InterimMoves
+from lightning_zenflow.engine.lane import LaneError, StrictLaneError
 from lightning_zenflow.engine.lanes import Lanes, lane_mode
 from lightning_zenflow.engine.window import WindowEnd
 
@@ -196,6 +197,90 @@ def test_closing_the_lanes_stops_their_threads() -> None:
     made.side.run(lambda: None)
     made.close()
     assert [lane.alive() for lane in made.asynchronous] == [False, False, False]
+
+
+# ----------------------------------------------------------------------------------------- strict lanes
+@pytest.fixture
+def strict_lanes():
+    made = Lanes(CPU, mode="threads", strict=True, delays={"side": 0.02})
+    yield made
+    made.close(quiet=True)
+
+
+def test_a_strict_lane_refuses_a_tensor_freed_before_its_work_ran(strict_lanes) -> None:
+    """On CUDA a tensor the training thread frees goes back to the caching allocator at once; a strict lane holds
+    only a weak reference, so the work that reads it after the free fails instead of reading someone else's memory."""
+    target = torch.zeros(4)
+    temporary = torch.ones(4)
+    strict_lanes.side.run(target.add_, temporary)
+    del temporary  # the lane sleeps 20 ms before its work: the free comes first
+    with pytest.raises(StrictLaneError, match="freed before the lane ran its work"):
+        strict_lanes.side.synchronize()
+
+
+def test_what_the_engine_keeps_survives_on_a_strict_lane(strict_lanes) -> None:
+    """Kept for the lane (``keep_for``, CUDA's ``record_stream``), or pinned host staging (``empty_host``, kept by
+    CUDA's host allocator until its copy is done): the work reads it after the owner let go."""
+    target = torch.zeros(4)
+    kept, staged = torch.ones(4), strict_lanes.empty_host(4, torch.float32)
+    staged.fill_(2.0)
+    strict_lanes.keep_for(kept, strict_lanes.side)
+    strict_lanes.side.run(target.add_, kept)
+    strict_lanes.side.run(target.add_, staged)
+    del kept, staged
+    strict_lanes.side.synchronize()
+    assert target.tolist() == [3.0] * 4
+    side = strict_lanes.side
+    side.run(lambda: None)  # a later piece of work lets the lane look at its kept storages again
+    side.synchronize()
+    assert side._kept == [], "a kept storage is released once its owner let go and the lane ran past it"
+
+
+def test_a_strict_lane_refuses_a_tensor_made_on_compute_after_its_last_wait() -> None:
+    """Decided when the work is issued, whatever the timing: the side lane's last wait on the compute lane came
+    before the tensor was made, so on CUDA its fill is unordered with the side stream's read."""
+    lanes = Lanes(CPU, mode="threads", strict=True)
+    try:
+        before = lanes.made_on_compute(torch.zeros(3))
+        lanes.side.wait_lane(lanes.compute, "side after compute")
+        lanes.side.run(torch.Tensor.add_, before, 1.0)  # made before the wait: fine
+        after = lanes.made_on_compute(torch.zeros(3))
+        with pytest.raises(StrictLaneError, match="made after the side lane's last wait"):
+            lanes.side.run(torch.Tensor.add_, after, 1.0)
+        lanes.side.wait_lane(lanes.compute, "side after compute")
+        lanes.side.run(torch.Tensor.add_, after, 1.0)
+        lanes.side.synchronize()
+        assert after.tolist() == [1.0] * 3
+    finally:
+        lanes.close(quiet=True)
+
+
+def test_the_strict_lanes_catch_a_temporary_made_for_the_side_lane(monkeypatch) -> None:
+    """Finding 2 of the CUDA review put back: the interim moves given a tensor made on the compute lane for this step
+    (``keep = 1 - found_inf`` was one) that nobody keeps. The default lanes give the right numbers (the closure keeps
+    it); strict lanes fail, as a CUDA stream could have read reused memory."""
+    original = InterimMoves.step
+
+    def step_with_a_temporary(self, groups, hparams, interval, found_inf, first_in_window):
+        temporary = None if found_inf is None else found_inf.clone()  # made here, freed when this returns
+        return original(self, groups, hparams, interval, temporary, first_in_window)
+
+    monkeypatch.setattr(InterimMoves, "step", step_with_a_temporary)
+    monkeypatch.setenv(lanes_module.STRICT_ENV, "0")
+    relaxed = _run("device", torch.float32, delays={"side": 0.02}, steps=6, update_interval=2)
+    assert _differences(relaxed, _run("device", torch.float32, steps=6, update_interval=2)) == []
+    monkeypatch.setenv(lanes_module.STRICT_ENV, "1")
+    with pytest.raises(StrictLaneError, match="freed before the lane ran its work"):
+        _run("device", torch.float32, delays={"side": 0.02}, steps=6, update_interval=2)
+
+
+def test_the_strict_lanes_catch_statistics_made_after_the_side_lanes_wait(monkeypatch) -> None:
+    """Finding 3 of the CUDA review put back: the interim statistics are made and zeroed on the compute lane after the
+    step's wait, and the side lane is not ordered after them again."""
+    monkeypatch.setattr(InterimMoves, "_order_new", lambda self: None)
+    monkeypatch.setenv(lanes_module.STRICT_ENV, "1")
+    with pytest.raises(StrictLaneError, match="made after the side lane's last wait"):
+        _run("device", torch.float32, steps=4, update_interval=2)
 
 
 # ------------------------------------------------------------------------------------- the engine, adversarial

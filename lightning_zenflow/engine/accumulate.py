@@ -39,7 +39,7 @@ from lightning_zenflow.engine.lanes import Event, Lanes
 from lightning_zenflow.engine.layout import GroupHostBuffers, GroupLayout, HostFormat, MatrixSlot
 from lightning_zenflow.engine.migrate import peak_chunk_elements
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, offset_of, unit_table
+from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, bits_table, offset_of
 from lightning_zenflow.engine.transfer import Helper, copy_all
 
 STAGING_SLOT_BYTES = 64 * 1024 * 1024
@@ -92,12 +92,12 @@ class DeviceAccumulation:
         if dtype == torch.bfloat16:
             for s in slots:
                 row_start = (row_offsets or {}).get(s.name, 0) + s.row_start
-                row_u = unit_table(s.salt, row_start, s.host_rows).to(lanes.device)
-                col_u = unit_table(s.salt ^ COLUMN_SALT, 0, s.cols).to(lanes.device)
-                self.noise[(s.group_index, s.index_in_group)] = (row_u, col_u, s.salt)
+                row_r = bits_table(s.salt, row_start, s.host_rows).to(lanes.device)
+                col_r = bits_table(s.salt ^ COLUMN_SALT, 0, s.cols).to(lanes.device)
+                self.noise[(s.group_index, s.index_in_group)] = (row_r, col_r, s.salt)
         self.d2h_bytes = 0
         self._offset_like: dict[torch.device, torch.Tensor] = {}
-        """Per device: a 0-d fp32 view like the lane's ``offsets[index]``, to build the window sum's kernel with."""
+        """Per device: a 0-d int32 view like the lane's ``offsets[index]``, to build the window sum's kernel with."""
 
     def add(
         self,
@@ -127,19 +127,29 @@ class DeviceAccumulation:
             lanes.keep_for(grad, lanes.side)
             work.append((acc, state.slot.own(grad), self.noise.get(key)))
         if self.dtype == torch.bfloat16:
-            # the step's lattice offsets, one per matrix: one asynchronous copy up from pinned memory
-            offsets_host = lanes.empty_host(max(1, len(work)), torch.float32)
-            for index, (acc, grad2d, noise) in enumerate(work):
-                offsets_host[index] = offset_of(noise[2], PURPOSE_ACCUMULATE, t) if noise is not None else 0.0
-                if grad2d is not None and self.kernels is not None:
-                    # built here, on the training thread, before the lane runs it (engine/compiled.py)
-                    offset_like = self._offset_like.setdefault(acc.device, torch.zeros(2, device=acc.device)[1])
-                    self.kernels.prepare(
-                        self.kernels.accumulate_bf16_, acc, grad2d, noise[0], noise[1], offset_like, first_in_window
-                    )
+            # the step's lattice offsets, one per matrix: one asynchronous copy up from pinned memory (the pinned
+            # buffer is kept by the host allocator until the copy, issued on the side lane, is done)
+            offsets_host = lanes.empty_host(max(1, len(work)), torch.int32)
+            for index, (_, _, noise) in enumerate(work):
+                offsets_host[index] = offset_of(noise[2], PURPOSE_ACCUMULATE, t) if noise is not None else 0
+            if self.kernels is not None:
+                self._prepare(work, first_in_window)
             lanes.side.run(self._add_all_bf16, work, first_in_window, offsets_host, self.kernels, lanes.is_cuda)
         else:
             lanes.side.run(self._add_all, work, first_in_window)
+
+    def _prepare(self, work: Sequence[tuple], first_in_window: bool) -> None:
+        """Build the window sum's kernel here, on the training thread, before the lane runs it (``engine/compiled.py``),
+        with arguments as the lane passes them: ``offsets[index]`` is a 0-d int32 view on the device."""
+        for acc, grad2d, noise in work:
+            if grad2d is None:
+                continue
+            offset_like = self._offset_like.get(acc.device)
+            if offset_like is None:
+                offset_like = self._offset_like[acc.device] = torch.zeros(2, dtype=torch.int32, device=acc.device)[1]
+            self.kernels.prepare(
+                self.kernels.accumulate_bf16_, acc, grad2d, noise[0], noise[1], offset_like, first_in_window
+            )
 
     @staticmethod
     def _add_all(work: Sequence[tuple], first_in_window: bool) -> None:
@@ -162,8 +172,8 @@ class DeviceAccumulation:
             if grad2d is None:
                 acc.zero_()
                 continue
-            row_u, col_u, _ = noise
-            kernels.accumulate_bf16_(acc, grad2d, row_u, col_u, offsets[index], first_in_window)
+            row_r, col_r, _ = noise
+            kernels.accumulate_bf16_(acc, grad2d, row_r, col_r, offsets[index], first_in_window)
 
     def finish_window(self, slot: int, active: Sequence[Sequence[int]]) -> None:
         """Issue on the d2h lane the copies of the active matrices' accumulators into host accumulator ``slot``.
@@ -194,7 +204,7 @@ class DeviceAccumulation:
 
     def bytes_held(self) -> int:
         """The accumulators and (bf16) the rounding's row and column numbers (4 B per row and per column)."""
-        tables = sum(row_u.nbytes + col_u.nbytes for row_u, col_u, _ in self.noise.values())
+        tables = sum(row_r.nbytes + col_r.nbytes for row_r, col_r, _ in self.noise.values())
         return sum(t.nbytes for t in self.acc_device.values()) + tables
 
 

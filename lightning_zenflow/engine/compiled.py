@@ -8,7 +8,8 @@ draws from, and under ``precision="bf16-true"`` (which sets the default dtype to
 call fails dynamo's guard on the default dtype, compiles again, and its restore leaves bf16 as the default. A run's
 numbers then depended on thread timing.
 
-So a kernel is built *ahead of time* (``torch.compile(...).aot_compile``, torch >= 2.9):
+So a kernel is built *ahead of time* (dynamo's ``aot_compile_fullgraph``: ``torch.compile(...).aot_compile`` where
+torch has it, called directly on torch 2.11, whose ``torch.compile`` does not expose it):
 :meth:`CompiledFunction.prepare` runs on the owning thread (the training thread, or the host worker's builder) with
 the arguments the lane will pass, and returns at once when an equivalent build exists. A call, on any thread, runs the
 build whose guards accept the arguments (dtypes, ranks, contiguity), or else the eager function: it never compiles.
@@ -20,11 +21,16 @@ the real arguments mapped to a distinct size of at least 2048, duck sizing off),
 a model. Which build (or eager) a call runs is therefore a function of its arguments and of the builds prepared so far
 for that kind of call, which the engine prepares in program order on the training thread: never of timing.
 
-The kernels themselves are built with ``emulate_precision_casts``: without it inductor drops a ``float -> bf16 ->
-float`` round trip (``engine/rounding.py``'s stochastic rounding relies on it: the compiled rounding became
-round-to-nearest) and lets the C++ or Triton compiler contract ``a * b + c`` into an FMA. With it, on the CPU, every
-elementwise kernel gives the eager function's bits (``tests/test_kernels.py`` checks each one), so an eager fallback
-changes no number.
+The kernels themselves are built to eager's numerics: ``emulate_precision_casts`` (without it inductor drops a ``float
+-> bf16 -> float`` round trip and lets the C++ or Triton compiler contract ``a * b + c`` into an FMA), Triton's
+division rounded as IEEE's (``eager_numerics.division_rounding``: Triton's ``/`` is an approximate division, one ulp
+off eager's in places) and subnormals kept (``eager_numerics.disable_ftz``). With these, every elementwise kernel gives
+the eager function's bits (``tests/test_kernels.py`` on the CPU, ``tests/test_gpu.py`` on CUDA), so an eager fallback
+changes no number. And nothing is timed at a kernel's first call, which on CUDA would run inside a lane (a
+synchronisation, a flush buffer and a clone of the arguments, none of it budgeted) and, for a reduction, choose the
+summation order by timing: pointwise kernels are built with one launch configuration
+(``triton.autotune_pointwise=False``) and reductions with the one inductor picks without benchmarking
+(``deterministic``).
 """
 
 from __future__ import annotations
@@ -52,9 +58,43 @@ with 2 threads than one built on 2048 x 2055), and they are above every size a k
 @functools.cache
 def aot_available() -> str | None:
     """Why ahead-of-time builds are unavailable in this torch, or None."""
-    if not hasattr(torch.compile(lambda: None), "aot_compile"):
-        return f"torch {torch.__version__} has no torch.compile(...).aot_compile (torch >= 2.9 has)"
+    if hasattr(torch.compile(lambda: None), "aot_compile"):
+        return None
+    try:
+        from torch._dynamo.aot_compile import aot_compile_fullgraph  # noqa: F401
+        from torch._dynamo.hooks import Hooks  # noqa: F401
+    except ImportError:
+        return (
+            f"torch {torch.__version__} has no ahead-of-time build (torch.compile(...).aot_compile, or "
+            "torch._dynamo.aot_compile.aot_compile_fullgraph: torch >= 2.11 has them)"
+        )
     return None
+
+
+BUILD_OPTIONS = {
+    "emulate_precision_casts": True,
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+    "triton.autotune_pointwise": False,
+    "deterministic": True,
+    "compile_threads": 1,
+}
+"""Inductor's options for every build (the module docstring says why); an option this torch lacks is left out."""
+
+
+def build_options() -> dict[str, object]:
+    """:data:`BUILD_OPTIONS` that this torch's inductor knows."""
+    import torch._inductor.config as inductor_config
+
+    known = {}
+    for key, value in BUILD_OPTIONS.items():
+        owner = inductor_config
+        *path, last = key.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is not None and hasattr(owner, last):
+            known[key] = value
+    return known
 
 
 def _keep_guard(entries: Any) -> list[bool]:
@@ -97,9 +137,11 @@ def kind_of(args: tuple) -> tuple:
 
 
 def _kind_now(args: tuple) -> tuple:
-    """The kind of a call and torch's thread count: a CPU build takes its parallel loops from the thread count of its
-    moment (one built with one thread runs on one), so another count needs a build of its own."""
-    return (kind_of(args), torch.get_num_threads())
+    """The kind of a call and, for a CPU call, torch's thread count: a CPU build takes its parallel loops from the
+    thread count of its moment (one built with one thread runs on one), so another count needs a build of its own. A
+    CUDA build does not depend on it."""
+    on_cpu = any(isinstance(arg, torch.Tensor) and arg.device.type == "cpu" for arg in args)
+    return (kind_of(args), torch.get_num_threads() if on_cpu else None)
 
 
 def stand_ins(args: tuple) -> tuple:
@@ -145,12 +187,22 @@ def _build(fn: Callable, args: tuple) -> Any:
         torch.no_grad(),
         process_state_kept(),
         # compile_threads=1: no pool of compile processes (and their semaphores) outliving the build
-        inductor_config.patch(emulate_precision_casts=True, compile_threads=1),
+        inductor_config.patch(build_options()),
         # sizes may be 1 (a row block of one row, a rank's single row): no specialisation on 0 and 1
         fx_config.patch(use_duck_shape=False, backed_size_oblivious=True),
     ):
+        example = (stand_ins(args), {})
         compiled = torch.compile(fn, fullgraph=True, dynamic=True, options={"guard_filter_fn": _keep_guard})
-        return compiled.aot_compile((stand_ins(args), {}))
+        if hasattr(compiled, "aot_compile"):
+            return compiled.aot_compile(example)
+        # torch 2.11: the same build, through the function torch.compile(...).aot_compile calls in later releases
+        from torch._dynamo.aot_compile import aot_compile_fullgraph
+        from torch._dynamo.hooks import Hooks
+
+        backend = torch._TorchCompileInductorWrapper(None, None, True)
+        return aot_compile_fullgraph(
+            fn, example, hooks=Hooks(guard_filter_fn=_keep_guard), backend=backend, dynamic=True
+        )
 
 
 class CompiledFunction:

@@ -112,8 +112,10 @@ class ZenFlowEngine(EngineLifecycle):
         updater = self.device_updater
         states = updater.matrix_states()
         if found_inf is not None:
-            # on the compute lane, before the side lane's wait below orders it after everything issued there
+            # on the compute lane, before the side lane's wait below orders it after everything issued there; the side
+            # lane reads it this step (the device update, the counts, the moves), after the caller may have freed it
             found_inf = found_inf.reshape(()).to(device=self.device, dtype=torch.float32)
+            self.lanes.keep_for(found_inf, self.lanes.side)
         updater.begin_step()
         with torch.profiler.record_function("zenflow.device_update"):
             updater.update(hparams, found_inf)

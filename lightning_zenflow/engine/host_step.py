@@ -31,7 +31,7 @@ import torch
 
 from lightning_zenflow.engine.device import HyperParams
 from lightning_zenflow.engine.kernels import Kernels
-from lightning_zenflow.engine.rounding import PURPOSE_EXP_AVG_SQ, lattice, offset_of, round_bf16, unit_table
+from lightning_zenflow.engine.rounding import PURPOSE_EXP_AVG_SQ, bits_table, lattice_bits, offset_of, round_bf16
 
 CHUNK_ELEMENTS = 1 << 22
 """Elements per call of a step function (16 MiB of fp32): the eager temporaries' bound."""
@@ -54,17 +54,9 @@ SCALARS = (
 computed before the rounding: fp32's ``1 - 0.999`` is 1.3e-5 off)."""
 
 
-def _mean(
-    grad2d: torch.Tensor, row_u: torch.Tensor, col_u: torch.Tensor, scalars: torch.Tensor, stochastic: bool
-) -> torch.Tensor:
-    """The window's mean gradient (fp32). With the stochastic rounding, ``+ 0 * u`` keeps the whole step one loop over
-    ``[rows, cols]``: without a use of the lattice here, the compiler splits it into a flat loop and a ``[rows, cols]``
-    loop joined by an fp32 buffer of the region (8 B more per element, and an allocation). Adding zero changes no
-    value."""
-    grad = grad2d.float() * scalars[0]
-    if stochastic:
-        grad = grad + lattice(row_u, col_u, scalars[8]) * 0.0
-    return grad
+def _mean(grad2d: torch.Tensor, scalars: torch.Tensor) -> torch.Tensor:
+    """The window's mean gradient (fp32)."""
+    return grad2d.float() * scalars[0]
 
 
 def correctly_rounded_sqrt(value: torch.Tensor) -> torch.Tensor:
@@ -93,14 +85,14 @@ def _store_moments(
     exp_avg_sq: torch.Tensor,
     m: torch.Tensor,
     v: torch.Tensor,
-    row_u: torch.Tensor,
-    col_u: torch.Tensor,
+    row_r: torch.Tensor,
+    col_r: torch.Tensor,
     scalars: torch.Tensor,
     stochastic: bool,
 ) -> None:
     exp_avg.copy_(m)
     if stochastic:
-        exp_avg_sq.copy_(round_bf16(v, lattice(row_u, col_u, scalars[8])))
+        exp_avg_sq.copy_(round_bf16(v, lattice_bits(row_r, col_r, scalars[8])))
     else:
         exp_avg_sq.copy_(v)
 
@@ -109,16 +101,17 @@ def adam_step_(
     grad2d: torch.Tensor,
     exp_avg2d: torch.Tensor,
     exp_avg_sq2d: torch.Tensor,
-    row_u: torch.Tensor,
-    col_u: torch.Tensor,
+    row_r: torch.Tensor,
+    col_r: torch.Tensor,
     scalars: torch.Tensor,
     stochastic: bool,
 ) -> None:
     """One AdamW step from the window's sum ``grad2d`` (the mean is ``sum * scalars[0]``): the moments in place, and
-    the step written over ``grad2d``. ``stochastic``: the second moment is bf16, rounded stochastically."""
-    grad = _mean(grad2d, row_u, col_u, scalars, stochastic)
+    the step written over ``grad2d``. ``stochastic``: the second moment is bf16, rounded stochastically with the
+    lattice of ``row_r``, ``col_r`` and the offset ``scalars[8]`` (``engine/rounding.py``)."""
+    grad = _mean(grad2d, scalars)
     m, v, step = _moments(grad, exp_avg2d, exp_avg_sq2d, scalars)
-    _store_moments(exp_avg2d, exp_avg_sq2d, m, v, row_u, col_u, scalars, stochastic)
+    _store_moments(exp_avg2d, exp_avg_sq2d, m, v, row_r, col_r, scalars, stochastic)
     grad2d.copy_(step)
 
 
@@ -127,16 +120,16 @@ def adam_master_step_(
     grad2d: torch.Tensor,
     exp_avg2d: torch.Tensor,
     exp_avg_sq2d: torch.Tensor,
-    row_u: torch.Tensor,
-    col_u: torch.Tensor,
+    row_r: torch.Tensor,
+    col_r: torch.Tensor,
     scalars: torch.Tensor,
     stochastic: bool,
 ) -> None:
     """One Adam/AdamW step on an fp32 master: ``scalars[9]`` is Adam's L2 decay (added to the gradient),
     ``scalars[10]`` AdamW's factor ``1 - lr * wd`` (applied to the master before the step)."""
-    grad = _mean(grad2d, row_u, col_u, scalars, stochastic) + master2d * scalars[9]
+    grad = _mean(grad2d, scalars) + master2d * scalars[9]
     m, v, step = _moments(grad, exp_avg2d, exp_avg_sq2d, scalars)
-    _store_moments(exp_avg2d, exp_avg_sq2d, m, v, row_u, col_u, scalars, stochastic)
+    _store_moments(exp_avg2d, exp_avg_sq2d, m, v, row_r, col_r, scalars, stochastic)
     master2d.copy_(master2d * scalars[10] + step)
 
 
@@ -179,7 +172,7 @@ class StepHyperParams:
 
 
 class NoiseTables:
-    """Per matrix: the lattice's row and column numbers (``engine/rounding.py``), built at first use."""
+    """Per matrix: the lattice's row and column numbers (int32, ``engine/rounding.py``), built at first use."""
 
     def __init__(self) -> None:
         self._tables: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -188,7 +181,7 @@ class NoiseTables:
         key = (salt, row_start, rows, cols)
         tables = self._tables.get(key)
         if tables is None:
-            tables = (unit_table(salt, row_start, rows), unit_table(salt ^ COLUMN_SALT, 0, cols))
+            tables = (bits_table(salt, row_start, rows), bits_table(salt ^ COLUMN_SALT, 0, cols))
             self._tables[key] = tables
         return tables
 
@@ -206,21 +199,21 @@ def step_region(
     """One matrix's host step (its ``[host_rows, cols]`` views), in row blocks of about :data:`CHUNK_ELEMENTS`."""
     rows, cols = grad2d.shape
     stochastic = exp_avg_sq2d.dtype == torch.bfloat16
-    row_u, col_u = tables
+    row_r, col_r = tables
     block = max(1, CHUNK_ELEMENTS // max(cols, 1))
     for start in range(0, rows, block):
         stop = min(rows, start + block)
         part = slice(start, stop)
         if master2d is None:
-            step_fn(grad2d[part], exp_avg2d[part], exp_avg_sq2d[part], row_u[part], col_u, scalars, stochastic)
+            step_fn(grad2d[part], exp_avg2d[part], exp_avg_sq2d[part], row_r[part], col_r, scalars, stochastic)
         else:
             master_fn(
                 master2d[part],
                 grad2d[part],
                 exp_avg2d[part],
                 exp_avg_sq2d[part],
-                row_u[part],
-                col_u,
+                row_r[part],
+                col_r,
                 scalars,
                 stochastic,
             )
@@ -378,13 +371,13 @@ class StepKernels:
         for window_dtype, state_dtype, with_master in dict.fromkeys(kinds):
             grad = torch.zeros(2, 3, dtype=window_dtype)
             m, v = (torch.zeros(2, 3, dtype=state_dtype) for _ in range(2))
-            row_u, col_u = self.noise.of(0, 0, 2, 3)
+            row_r, col_r = self.noise.of(0, 0, 2, 3)
             scalars = StepHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1, 1.0).scalars(0, with_master)
             stochastic = state_dtype == torch.bfloat16
             if with_master:
-                Kernels.prepare(self.master_step_, torch.zeros(2, 3), grad, m, v, row_u, col_u, scalars, stochastic)
+                Kernels.prepare(self.master_step_, torch.zeros(2, 3), grad, m, v, row_r, col_r, scalars, stochastic)
             else:
-                Kernels.prepare(self.step_, grad, m, v, row_u, col_u, scalars, stochastic)
+                Kernels.prepare(self.step_, grad, m, v, row_r, col_r, scalars, stochastic)
 
     def before_update(self, elements: int | None) -> None:
         """A large region (or ``None``: any) waits for a build in progress; a small one runs eagerly meanwhile."""

@@ -97,6 +97,8 @@ class InterimMoves:
         """The kernels' ``keep`` when no step can overflow: one compiled graph whether or not a loss scaler runs."""
         self._prepared: set[tuple] = set()
         """Kinds of lane work whose kernels are built (gradient and weight dtypes, statistics or not)."""
+        self._made_new = False
+        """Statistics were made on the compute lane since the side lane last waited for it (``_order_new``)."""
 
     def scale_at(self, interval: int) -> float:
         """The moves' size at a window of ``interval`` steps (``update_interval="auto"`` changes it once)."""
@@ -108,7 +110,8 @@ class InterimMoves:
         if stats is None:
             device = self.lanes.device
             row_offset, whole_rows = self.shard_rows.get(slot.name, (0, slot.rows))
-            # allocated and zeroed on the calling thread, before any lane work reads them
+            # allocated and filled on the compute lane; the caller orders the side lane after them (_order_new)
+            self._made_new = True
             stats = MatrixStatistics(
                 row=torch.zeros(whole_rows, dtype=torch.float32, device=device),
                 col=torch.zeros(slot.cols, dtype=torch.float32, device=device),
@@ -119,8 +122,18 @@ class InterimMoves:
                 salt=zlib.crc32(slot.name.encode()) & 0xFFFF,
                 row_offset=row_offset,
             )
+            for tensor in (stats.row, stats.col, stats.decay, stats.moves, stats.warm_col, stats.warm_steps):
+                self.lanes.made_on_compute(tensor)
             self._stats[slot.name] = stats
         return stats
+
+    def _order_new(self) -> None:
+        """When this step made statistics, the side lane waits (GPU-side) for the compute lane's fills of them: they
+        were made after the step's first wait (``DeviceUpdater.begin_step``), and a CUDA side stream would otherwise
+        read them unfilled."""
+        if self._made_new:
+            self._made_new = False
+            self.lanes.side.wait_lane(self.lanes.compute, "side after compute")
 
     def step(
         self,
@@ -144,18 +157,19 @@ class InterimMoves:
                 work.append((state, grad, self._stats_of(state), beta, hp.eps, coefficient))
         if not work:
             return
-        # on the calling thread (the compute lane on CUDA, which produced found_inf)
-        keep = self._keep_all if found_inf is None else 1.0 - found_inf
+        self._order_new()
         measured = [item for item in work if item[3] is not None]
-        self._prepare_kernels(work, measured, keep)
+        self._prepare_kernels(work, measured, self._keep_all)
+        # found_inf (kept for the side lane by the engine) becomes ``keep`` on the side lane itself: a tensor made here
+        # on the compute lane would be freed when this call returns, while the side stream still reads it
         if measured:
             sums: dict[str, torch.Tensor] = {}
             self.lanes.side.run(_local_sums, self.kernels, measured, sums)
             if self.ranks.rows_local and self.ranks.spans:
                 # one all-reduce of every matrix's row and column sums, in the side lane's order
                 self.lanes.collective(self.lanes.side, _sum_over_shards, self.ranks, sums)
-            self.lanes.side.run(_take_sums, measured, sums, keep)
-        self.lanes.side.run(_moves, self.kernels, work, keep)
+            self.lanes.side.run(_take_sums, measured, sums, found_inf, self._keep_all)
+        self.lanes.side.run(_moves, self.kernels, work, found_inf, self._keep_all)
 
     def warm_up_step(
         self, groups: Sequence[Sequence[SelectedState]], hparams: Sequence[HyperParams], found_inf: torch.Tensor | None
@@ -173,7 +187,7 @@ class InterimMoves:
                 work.append((state, grad, self._stats_of(state), hp.beta2))
         if not work:
             return
-        keep = self._keep_all if found_inf is None else 1.0 - found_inf
+        self._order_new()
         for state, grad, stats, _beta in work:
             kind = (grad.dtype, True, torch.get_num_threads())  # the statistics' kernel, on every column
             if self.kernels.mode != "eager" and kind not in self._prepared:
@@ -184,7 +198,7 @@ class InterimMoves:
         self.lanes.side.run(_warm_sums, self.kernels, work, sums)
         if self.ranks.rows_local and self.ranks.spans:
             self.lanes.collective(self.lanes.side, _sum_over_shards, self.ranks, sums)
-        self.lanes.side.run(_take_warm_sums, work, sums, keep)
+        self.lanes.side.run(_take_warm_sums, work, sums, found_inf, self._keep_all)
 
     def _prepare_kernels(self, work: list, measured: list, keep: torch.Tensor) -> None:
         """Build, on this (the training) thread, the kernels the lane will run for ``work`` (``engine/compiled.py``):
@@ -336,8 +350,16 @@ def _warm_sums(kernels: Kernels, work: list, sums: dict[str, torch.Tensor]) -> N
         sums["flat"] = torch.cat(parts)
 
 
-def _take_warm_sums(work: list, sums: dict[str, torch.Tensor], keep: torch.Tensor) -> None:
+def _keep(found_inf: torch.Tensor | None, keep_all: torch.Tensor) -> torch.Tensor:
+    """Lane work's ``keep``: 0 for a 16-mixed overflow, else 1 (a device scalar, made on the lane that reads it)."""
+    return keep_all if found_inf is None else 1.0 - found_inf
+
+
+def _take_warm_sums(
+    work: list, sums: dict[str, torch.Tensor], found_inf: torch.Tensor | None, keep_all: torch.Tensor
+) -> None:
     """Lane work: the warm record's EMA step from the summed column sums (the whole matrix's, on every rank)."""
+    keep = _keep(found_inf, keep_all)
     flat = sums.pop("flat")
     offset = 0
     with torch.no_grad():
@@ -354,8 +376,11 @@ def _sum_over_shards(ranks: Ranks, sums: dict[str, torch.Tensor]) -> None:
     ranks.sum_scores_(sums["flat"])  # every rank's rows and column partial sums: the whole matrix's
 
 
-def _take_sums(measured: list, sums: dict[str, torch.Tensor], keep: torch.Tensor) -> None:
+def _take_sums(
+    measured: list, sums: dict[str, torch.Tensor], found_inf: torch.Tensor | None, keep_all: torch.Tensor
+) -> None:
     """Lane work: the statistics' EMA from the summed vector (the same on every rank)."""
+    keep = _keep(found_inf, keep_all)
     flat = sums.pop("flat")
     offset = 0
     with torch.no_grad():
@@ -366,7 +391,9 @@ def _take_sums(measured: list, sums: dict[str, torch.Tensor], keep: torch.Tensor
             ema_(stats, row_sums, col_sums, rows, int(state.unselected.numel()), beta, keep)
 
 
-def _moves(kernels: Kernels, work: list, keep: torch.Tensor) -> None:
+def _moves(kernels: Kernels, work: list, found_inf: torch.Tensor | None, keep_all: torch.Tensor) -> None:
+    """Lane work: this step's move of every matrix's host columns."""
+    keep = _keep(found_inf, keep_all)
     with torch.no_grad():
         for state, grad, stats, _beta, eps, coefficient in work:
             slot = state.slot

@@ -32,7 +32,7 @@ import torch
 from lightning_zenflow.engine.compiled import CompiledFunction, aot_available
 from lightning_zenflow.engine.cuda_guard import keep_cuda_guard
 from lightning_zenflow.engine.notices import notice_once
-from lightning_zenflow.engine.rounding import lattice, round_bf16
+from lightning_zenflow.engine.rounding import lattice_bits, round_bf16
 
 KERNELS_ENV = "LIGHTNING_ZENFLOW_KERNELS"
 """Overrides ``interim_kernel="auto"``: ``eager`` or ``compiled`` (the test suite runs eager by default)."""
@@ -106,9 +106,9 @@ def _random_low_bits(shape: tuple[int, int], row_offset: int, seed: torch.Tensor
 
 
 def stochastic_round_bf16(value: torch.Tensor, row_offset: int, seed: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[rows, cols]`` to bf16, rounded up with the probability of the part cut off (expectation kept)."""
-    bits = value.view(torch.int32) + _random_low_bits(value.shape, row_offset, seed, value.device)
-    return (bits & -65536).view(torch.float32).to(torch.bfloat16)
+    """fp32 ``[rows, cols]`` to bf16, rounded up with the probability of the part cut off (expectation kept): the
+    rounding of ``engine/rounding.py`` with the random bits of the element's global row and column."""
+    return round_bf16(value, _random_low_bits(value.shape, row_offset, seed, value.device))
 
 
 def moves_bf16_(
@@ -143,18 +143,17 @@ def landing_add_(
 def accumulate_bf16_(
     acc2d: torch.Tensor,
     grad2d: torch.Tensor,
-    row_u: torch.Tensor,
-    col_u: torch.Tensor,
+    row_r: torch.Tensor,
+    col_r: torch.Tensor,
     offset: torch.Tensor,
     first: bool,
 ) -> None:
     """The compact state's window sum on the device: ``acc <- round(acc + g)`` (``first``: ``round(g)``), bf16 with
-    stochastic rounding (``engine/rounding.py``; the numbers of ``row_u`` and ``col_u`` and the step's ``offset``).
-    Reads the gradient and the bf16 sum and writes the sum: 4 + b B per element (b: the gradient's bytes)."""
-    u = lattice(row_u, col_u, offset)
-    # ``+ 0 * u``: one loop over [rows, cols] (see engine/host_step.py's _mean); adding zero changes no value
-    total = grad2d.float() + u * 0.0 if first else acc2d.float() + grad2d.float() + u * 0.0
-    acc2d.copy_(round_bf16(total, u))
+    stochastic rounding (``engine/rounding.py``: the lattice of ``row_r`` and ``col_r`` and the step's ``offset``, a
+    0-d int32). Reads the gradient and the bf16 sum and writes the sum: 4 + b B per element (b: the gradient's
+    bytes)."""
+    total = grad2d.float() if first else acc2d.float() + grad2d.float()
+    acc2d.copy_(round_bf16(total, lattice_bits(row_r, col_r, offset)))
 
 
 # --------------------------------------------------------------------------------------------- compilation

@@ -60,6 +60,19 @@ def _land_steps(
         landing_add(dst, src, scale, row_offset, seed.to(dst.device, non_blocking=non_blocking))
 
 
+def landing_call_like(
+    dst: torch.Tensor, src_shape: torch.Size, src_dtype: torch.dtype, scale: float, row_offset: int
+) -> tuple:
+    """Arguments like those of the lane's ``landing_add`` call, to build the kernel with: the weights' rows, the step
+    as the lane passes it (on the weights' device, shaped like the source: staged up through the ring on CUDA, the
+    host row itself on the CPU), the scale, the row offset and the seed copied up (0-d int64 on the device). Made from
+    the source's shape and dtype only, so a build never depends on where the source lives (a host source once gave a
+    build a ``[1, 1]`` step beside ``[rows, cols]`` weights: a trace that can only fail, on CUDA alone)."""
+    step_like = dst.new_empty((), dtype=src_dtype).expand(src_shape)
+    seed_like = dst.new_zeros((), dtype=torch.int64)
+    return dst, step_like, scale, row_offset, seed_like
+
+
 class Uploads:
     """The results of host updates, up to the device at their landing.
 
@@ -157,16 +170,10 @@ class Uploads:
             ring = self._ring(chunk_rows_bytes) if lanes.is_cuda else None
             additions = [(dst, src, scale, offset, seeds_host[i]) for dst, src, scale, offset, i in additions]
             if self.prepare is not None:
-                # built on this (the training) thread before the lane runs it (engine/compiled.py), with arguments
-                # where the lane's call has them: a source staged up to the device, the seed copied up
-                kinds = {
-                    (dst.dtype, src.dtype): (dst, src, scale, offset, seed)
-                    for dst, src, scale, offset, seed in additions
-                }
-                for dst, src, scale, offset, seed_host in kinds.values():
-                    src_like = src if src.device == dst.device else dst.new_empty((1, 1), dtype=src.dtype)
-                    seed_like = seed_host if seed_host.device == dst.device else dst.new_zeros((), dtype=torch.int64)
-                    self.prepare(self.landing_add, dst, src_like, scale, offset, seed_like)
+                # built on this (the training) thread before the lane runs it (engine/compiled.py)
+                kinds = {(dst.dtype, src.dtype): (dst, src, scale, offset) for dst, src, scale, offset, _ in additions}
+                for dst, src, scale, offset in kinds.values():
+                    self.prepare(self.landing_add, *landing_call_like(dst, src.shape, src.dtype, scale, offset))
             lanes.side.run(_land_steps, additions, ring, lanes.is_cuda, self.landing_add)
         # the side lane's copies read the host source (the window rows, or the masters)
         lanes.side.record(self.source_read)

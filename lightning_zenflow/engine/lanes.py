@@ -25,6 +25,11 @@ What ``fn`` may do: read and write tensors it was handed. Which tensors, which s
 decided by the caller when it issues the work (on CUDA the host runs ahead of the device the same way); ``fn`` must
 not read ``param.grad`` or the engine's Python state itself, since they may have changed by the time it runs.
 
+``LIGHTNING_ZENFLOW_STRICT_LANES=1`` makes the CPU thread lanes strict (``engine/lane.py``): they keep only what
+CUDA's caching allocator would keep for a stream (the engine's buffers, :meth:`Lanes.keep_for`, pinned host staging)
+and refuse a tensor the compute lane made after their last wait on it (:meth:`Lanes.made_on_compute`). The test suite
+runs with it on.
+
 ``LIGHTNING_ZENFLOW_LANES`` chooses the CPU lanes: ``threads`` (the default), ``adversarial`` (threads that sleep
 a random 0-``ADVERSARIAL_MAX_DELAY_S`` before each piece of work, the helper thread included, seeded by
 ``LIGHTNING_ZENFLOW_LANES_SEED``; on CUDA the same delays are queued on the streams), or ``inline`` (work runs when
@@ -44,6 +49,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_zenflow.engine.lane import CudaLane, Event, InlineLane, Lane, ThreadLane
 
@@ -52,6 +58,7 @@ STAGES = ("side", "d2h", "h2d", "helper", "worker")
 thread's host adds and job launches, and the host worker's update."""
 LANES_ENV = "LIGHTNING_ZENFLOW_LANES"
 LANES_SEED_ENV = "LIGHTNING_ZENFLOW_LANES_SEED"
+STRICT_ENV = "LIGHTNING_ZENFLOW_STRICT_LANES"
 LANE_MODES = ("threads", "adversarial", "inline")
 ADVERSARIAL_MAX_DELAY_S = 0.003
 """The adversarial lanes sleep a uniformly random time up to this before each piece of work."""
@@ -71,6 +78,15 @@ def lane_mode(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
     return mode, seed
 
 
+def strict_lanes(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``LIGHTNING_ZENFLOW_STRICT_LANES`` asks for strict CPU thread lanes."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(STRICT_ENV, "0").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes"):
+        raise ValueError(f"{STRICT_ENV}={value!r} is not 0 or 1.")
+    return value in ("1", "true", "yes")
+
+
 class Lanes:
     """The engine's lanes on one device: ``compute``, ``side``, ``d2h``, ``h2d`` (see the module docstring).
 
@@ -79,6 +95,7 @@ class Lanes:
         delays: test hook, ``{stage: seconds}`` to delay every piece of a stage's work.
         mode: the CPU lanes' mode (``threads``, ``adversarial``, ``inline``); None: from ``LIGHTNING_ZENFLOW_LANES``.
         seed: the adversarial delays' seed; None: from ``LIGHTNING_ZENFLOW_LANES_SEED``.
+        strict: strict CPU thread lanes (``engine/lane.py``); None: from ``LIGHTNING_ZENFLOW_STRICT_LANES``.
     """
 
     def __init__(
@@ -87,6 +104,7 @@ class Lanes:
         delays: Mapping[str, float] | None = None,
         mode: str | None = None,
         seed: int | None = None,
+        strict: bool | None = None,
     ) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
@@ -98,6 +116,13 @@ class Lanes:
         if self.mode not in LANE_MODES:
             raise ValueError(f"lane mode {self.mode!r} is not one of {list(LANE_MODES)}.")
         self.seed = env_seed if seed is None else seed
+        self.strict = (strict_lanes() if strict is None else strict) and not self.is_cuda and self.mode != "inline"
+        self._clock = 0
+        """Strict: counts the tensors the compute lane made (``made_on_compute``)."""
+        self._stamps: dict[int, tuple[StorageWeakRef, int]] = {}
+        """Strict: per storage, the compute clock at which the compute lane made it."""
+        self._staging: dict[int, StorageWeakRef] = {}
+        """Strict: pinned host staging (``empty_host``), which CUDA's host allocator keeps until its copies are done."""
         self.delays = dict(delays or {})
         self.host_syncs = 0
         """Host waits on device work made by the training thread (the thread that built the lanes)."""
@@ -190,10 +215,41 @@ class Lanes:
     # ------------------------------------------------------------------------------------------- memory
     def keep_for(self, tensor: torch.Tensor, lane: Lane) -> None:
         """Tell the caching allocator that ``lane`` reads ``tensor`` (made on another stream): its memory is not
-        reused before that work is done, even if the owner frees it first (``zero_grad``). On the CPU the queued
-        work holds a reference to the tensor, which does the same."""
+        reused before that work is done, even if the owner frees it first (``zero_grad``). On the CPU a strict lane
+        keeps it the same way; the default lanes' queued work holds a reference to it, which does too."""
         if isinstance(lane, CudaLane) and lane._own_stream is not None:
             tensor.record_stream(lane._own_stream)
+        elif isinstance(lane, ThreadLane) and lane.strict:
+            lane.keep(tensor)
+
+    def made_on_compute(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Say that the compute lane (the calling thread) made ``tensor`` now, on the device: a lane given it before
+        its next wait on the compute lane is refused when strict (on CUDA its fill would be unordered with that
+        lane). Returns ``tensor``. Nothing to do on CUDA, where streams order it."""
+        if self.strict:
+            self._clock += 1
+            storage = tensor.untyped_storage()
+            self._stamps[storage._cdata] = (StorageWeakRef(storage), self._clock)
+            if len(self._stamps) > 4096:
+                self._stamps = {key: entry for key, entry in self._stamps.items() if not entry[0].expired()}
+        return tensor
+
+    def compute_clock(self) -> int:
+        return self._clock
+
+    def stamp_of(self, tensor: torch.Tensor) -> int:
+        """Strict: the compute clock at which the compute lane made ``tensor`` (0: before anything was stamped)."""
+        if not self._stamps:
+            return 0
+        entry = self._stamps.get(tensor.untyped_storage()._cdata)
+        if entry is None or entry[0].expired():
+            return 0
+        return entry[1]
+
+    def host_staging(self, tensor: torch.Tensor) -> bool:
+        """Strict: whether ``tensor`` is pinned host staging made by :meth:`empty_host`."""
+        entry = self._staging.get(tensor.untyped_storage()._cdata)
+        return entry is not None and not entry.expired()
 
     @contextlib.contextmanager
     def allocating_on(self, lane: Lane):
@@ -207,7 +263,13 @@ class Lanes:
 
     def empty_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host staging buffer: pinned on CUDA (for asynchronous copies), plain memory on the CPU."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+        staging = torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+        if self.strict:
+            storage = staging.untyped_storage()
+            self._staging[storage._cdata] = StorageWeakRef(storage)
+            if len(self._staging) > 4096:
+                self._staging = {key: ref for key, ref in self._staging.items() if not ref.expired()}
+        return staging
 
     def free_bytes(self) -> int:
         """Device memory still free for the engine: CUDA's free memory plus what the caching allocator holds

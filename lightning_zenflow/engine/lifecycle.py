@@ -165,7 +165,7 @@ class EngineLifecycle:
             self._zero_grad_guard = ZeroGradGuard(self.optimizer, self.wait_for_gradients)
         try:
             if self.device.type == "cuda":
-                self._pinned = pin_host_buffers(self.layout, self.host_buffers)
+                self._pinned = pin_host_buffers(self.layout, self.host_buffers, self.device)
             if self.needs_host():
                 self._worker = start_worker(
                     self.config,
@@ -193,7 +193,7 @@ class EngineLifecycle:
         self.lanes.synchronize()
         windows = [row for host in self.host_buffers for row in host.windows]
         still_pinned = [(t, p) for t, p in self._pinned if not any(t is w for w in windows)]
-        unpin([(t, p) for t, p in self._pinned if any(t is w for w in windows)])
+        unpin([(t, p) for t, p in self._pinned if any(t is w for w in windows)], self.device)
         self._pinned = still_pinned
         check_host_resources(self.layout, self.device, ranks_per_host=self.ranks.local_world, host_format=wanted)
         pending = self.schedule.pending
@@ -211,7 +211,7 @@ class EngineLifecycle:
                         staged = staging_view(host.grad_acc(pending.slot), slot, slot.param.dtype)
                         staged.copy_(slot.view2d(host.master))
         if self.device.type == "cuda":
-            self._pinned += pin_rows([row for host in self.host_buffers for row in host.windows])
+            self._pinned += pin_rows([row for host in self.host_buffers for row in host.windows], self.device)
         if self._worker is not None:
             self._worker.attach([host.windows for host in self.host_buffers])
 
@@ -263,7 +263,7 @@ class EngineLifecycle:
             # the lanes may still read pinned pages or write weights: wait for them before releasing anything
             self.lanes.close(quiet=quiet)
         finally:
-            unpin(self._pinned)
+            unpin(self._pinned, self.device)
             self._binding.restore()
             # drop every reference to the shared blocks so their pages are unmapped now, not at garbage collection
             self.host_buffers = []

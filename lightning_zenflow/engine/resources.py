@@ -20,7 +20,7 @@ from lightning_zenflow.engine.ranks import Ranks
 
 
 def pin_host_buffers(
-    layout: Sequence[GroupLayout], host_buffers: Sequence[GroupHostBuffers]
+    layout: Sequence[GroupLayout], host_buffers: Sequence[GroupHostBuffers], device: torch.device
 ) -> list[tuple[torch.Tensor, int]]:
     """Register in place (cudaHostRegister) the rows that asynchronous copies touch: the window rows (copies down,
     the steps or staged weights going up, a selection's staging), and the master of a group with an fp32 matrix
@@ -33,35 +33,39 @@ def pin_host_buffers(
         rows += list(host.windows)
         if host.master is not None and any(slot.param.dtype == torch.float32 for slot in group.matrices):
             rows.append(host.master)
-    return pin_rows(rows)
+    return pin_rows(rows, device)
 
 
-def pin_rows(rows: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    """Register each of ``rows`` in place (cudaHostRegister); on a failure, unregister what was and raise."""
+def pin_rows(rows: Sequence[torch.Tensor], device: torch.device) -> list[tuple[torch.Tensor, int]]:
+    """Register each of ``rows`` in place (cudaHostRegister); on a failure, unregister what was and raise. The calls
+    are made on ``device``, the engine's: on the current device they would create a CUDA context there (about 0.5 GiB
+    on GPU 0 for every rank that did not call ``torch.cuda.set_device``)."""
     cudart = torch.cuda.cudart()
     pinned: list[tuple[torch.Tensor, int]] = []
-    for tensor in rows:
-        if tensor.numel() == 0:
-            continue
-        pointer, nbytes = tensor.data_ptr(), tensor.nbytes
-        code = cudart.cudaHostRegister(pointer, nbytes, 1)  # 1: cudaHostRegisterPortable
-        if int(code) != 0:
-            unpin(pinned)
-            raise RuntimeError(
-                f"cudaHostRegister failed with code {int(code)} for {nbytes} bytes of host state. Pinning "
-                "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
-                "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
-            )
-        pinned.append((tensor, pointer))
+    with torch.cuda.device(device):
+        for tensor in rows:
+            if tensor.numel() == 0:
+                continue
+            pointer, nbytes = tensor.data_ptr(), tensor.nbytes
+            code = cudart.cudaHostRegister(pointer, nbytes, 1)  # 1: cudaHostRegisterPortable
+            if int(code) != 0:
+                unpin(pinned, device)
+                raise RuntimeError(
+                    f"cudaHostRegister failed with code {int(code)} for {nbytes} bytes of host state. Pinning "
+                    "is limited by the locked-memory limit: raise it (`ulimit -l unlimited`, or the container's "
+                    "--ulimit memlock=-1), or use fewer host bytes (a smaller model share per process)."
+                )
+            pinned.append((tensor, pointer))
     return pinned
 
 
-def unpin(pinned: list[tuple[torch.Tensor, int]]) -> None:
-    """Unregister every span :func:`pin_host_buffers` registered (and forget them)."""
+def unpin(pinned: list[tuple[torch.Tensor, int]], device: torch.device | None) -> None:
+    """Unregister every span :func:`pin_host_buffers` registered (and forget them), on the engine's ``device``."""
     if pinned:
         cudart = torch.cuda.cudart()
-        for _, pointer in pinned:
-            cudart.cudaHostUnregister(pointer)
+        with torch.cuda.device(device):
+            for _, pointer in pinned:
+                cudart.cudaHostUnregister(pointer)
     pinned.clear()
 
 

@@ -21,27 +21,6 @@ def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]], non_blocking: 
         target.copy_(source, non_blocking=non_blocking)
 
 
-def add_all(
-    additions: Sequence[tuple[torch.Tensor, torch.Tensor, float, int, int]],
-    non_blocking: bool,
-    landing_add: Callable[..., None] | None = None,
-    seed: int = 0,
-) -> None:
-    """``dst <- dst * scale + src`` for each ``(dst, src, scale, row_offset, salt)`` (a landing under
-    ``interim_step``); a host source goes up first. bf16 weights go through ``landing_add`` (stochastic rounding, its
-    random bits seeded by ``seed``, the landing's step, and the matrix's ``salt``)."""
-    for dst, src, scale, row_offset, salt in additions:
-        if src.device != dst.device:
-            src = src.to(dst.device, non_blocking=non_blocking)
-        if dst.dtype == torch.bfloat16 and landing_add is not None:
-            seed_device = torch.tensor((seed * 40503 + salt + 1) & 0x7FFFFFFF, dtype=torch.int64, device=dst.device)
-            landing_add(dst, src, scale, row_offset, seed_device)
-            continue
-        if scale != 1.0:
-            dst.mul_(scale)
-        dst.add_(src)
-
-
 class Helper:
     """One helper thread that runs host-side stages in order (FIFO): host adds, job launches. Real on the CPU
     too, so the CPU tests run the same concurrency. Failures surface in the training thread at the next call."""

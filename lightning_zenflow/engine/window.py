@@ -57,9 +57,12 @@ class WindowEnd:
             index = self._present_index.get(present)
             if index is None:
                 # once per pattern of missing gradients (a small upload, a sync on CUDA), then reused every step
+                # (a blocking copy from pageable memory: filled when it returns, so no wait orders the side lane)
                 index = torch.tensor(present, dtype=torch.long, device=lanes.device)
                 if len(self._present_index) < 64:
                     self._present_index[present] = index
+            # past 64 patterns it is not cached: the side lane reads it after this call has dropped it
+            lanes.keep_for(index, lanes.side)
         overflow_masked = []
         if found_inf is not None:
             for state in states:
