@@ -5,6 +5,8 @@
     lightning-zenflow plan --model configs/models/Qwen2.5-14B.json --device-memory 141GB --host-memory 128GiB \\
         --activation-checkpointing --write-config my_job.yaml
     lightning-zenflow plan --model model.gguf --measure --json
+    lightning-zenflow plan --model configs/models/Qwen3-30B-A3B.json --devices 8 --device-memory 80GB \\
+        --host-memory 1TB --activation-checkpointing                   # a mixture of experts: 3.35 B of 30.5 B active
     lightning-zenflow plan --model configs/models/Qwen2.5-72B.json --devices 8 --nodes 2 --device-memory 80GB \\
         --host-memory 2TB --activation-checkpointing --batch-size 2      # HSDP across 2 machines
 

@@ -47,7 +47,7 @@ from lightning_zenflow.engine.budget import (
 from lightning_zenflow.engine.landing import LANDING_CHUNK_BYTES
 from lightning_zenflow.engine.layout import HostFormat
 from lightning_zenflow.planner.machine import GB, Machine
-from lightning_zenflow.planner.shapes import ModelShapes, engine_shapes, local_numel
+from lightning_zenflow.planner.shapes import ModelShapes, attention_width, engine_shapes, local_numel
 
 HOST_RESERVE_BYTES = 4 * 2**30
 """Host memory for the system, per machine."""
@@ -379,14 +379,15 @@ def _gathered(shapes: ModelShapes, setting: Setting, work: Workload) -> int:
 
 # ------------------------------------------------------------------------------------------------------- time
 def fwd_bwd_seconds(shapes: ModelShapes, machine: Machine, work: Workload) -> float:
-    """Forward and backward of one rank's batch: 6 FLOPs per parameter and token (8 with activation checkpointing)
-    plus causal attention's 6 x layers x sequence x width per token, at the machine's rate; or as measured."""
+    """Forward and backward of one rank's batch: 6 FLOPs per active parameter (a mixture of experts: those a token
+    runs through) and token (8 with activation checkpointing) plus causal attention's 6 x layers x sequence x width
+    per token, at the machine's rate; or as measured."""
     if work.fwd_bwd_s is not None:
         return work.fwd_bwd_s
     tokens = work.batch_size * work.block_size
     layers = getattr(shapes.config, "num_hidden_layers", 0) or 0
-    width = getattr(shapes.config, "hidden_size", 0) or 0
-    flops = 6 * shapes.parameters * tokens + 6 * layers * work.block_size * width * tokens
+    width = attention_width(shapes.config)
+    flops = 6 * shapes.active_parameters * tokens + 6 * layers * work.block_size * width * tokens
     if work.activation_checkpointing:
         flops *= 4 / 3
     return flops / (machine.device_tflops * 1e12)

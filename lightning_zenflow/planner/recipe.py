@@ -33,8 +33,12 @@ def _header(plan: Any, row: Row, command: str, path: Path) -> list[str]:
     gpus = f"{machine.devices} GPU{'s' if machine.devices > 1 else ''}"
     if machine.nodes > 1:
         gpus = f"{machine.nodes} machines of {gpus}"
+    active = ""
+    if plan.active_parameters is not None:  # a mixture of experts: the step's compute is its active parameters'
+        active = f", {plan.active_parameters / 1e9:.2f} B active: {plan.routing}"
     lines = [
-        f"configs/llm.yaml's fine-tune for {plan.model_path or plan.model} ({plan.parameters / 1e9:.2f} B parameters) "
+        f"configs/llm.yaml's fine-tune for {plan.model_path or plan.model} ({plan.parameters / 1e9:.2f} B parameters"
+        f"{active}) "
         f"on {gpus} of {_gb(machine.device_memory)} with {_gb(machine.host_memory)} of RAM per machine: the "
         f"setting `lightning-zenflow plan` recommends ({_setting_name(row)}), written by",
         "",

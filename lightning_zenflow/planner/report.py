@@ -46,8 +46,11 @@ def row_knobs(row: Row) -> dict[str, Any]:
 
 def render_table(plan: Any) -> str:
     work, machine = plan.workload, plan.machine
+    active = ""
+    if plan.active_parameters is not None:
+        active = f" ({plan.active_parameters / 1e9:.3f} B active: {plan.routing})"
     lines = [
-        f"model: {plan.model}, {plan.parameters / 1e9:.3f} B trainable parameters; {work.precision}, "
+        f"model: {plan.model}, {plan.parameters / 1e9:.3f} B trainable parameters{active}; {work.precision}, "
         f"{work.batch_size} x {work.block_size} tokens per rank and step, activation checkpointing "
         f"{'on' if work.activation_checkpointing else 'off'}",
         f"machine: {machine.describe()}",
@@ -115,6 +118,12 @@ def render_table(plan: Any) -> str:
         "synchronous offload. peer: FSDP2 CPUOffloadPolicy (16 B per parameter on the host) and DeepSpeed ZeRO-3 "
         "offloading optimizer and parameters (18 B), their host step every step. * recommended.",
     ]
+    if plan.active_parameters is not None:
+        lines[-1] += (
+            " A mixture of experts: forward and backward count the parameters a token runs through; weights, "
+            "gradients, optimizer state and every optimizer step count all experts. No expert parallelism: data "
+            "parallel replicates every expert, FSDP2 shards each expert's rows like any parameter."
+        )
     lines += recommendation_lines(plan)
     return "\n".join(lines)
 
@@ -229,6 +238,8 @@ def plan_json(plan: Any) -> dict[str, Any]:
     return {
         "model": plan.model,
         "parameters": plan.parameters,
+        "active_parameters": plan.active_parameters,
+        "routing": plan.routing or None,
         "machine": {
             "device_type": machine.device_type,
             "device_memory": machine.device_memory,

