@@ -126,6 +126,15 @@ class ZenFlowConfig:
     importance: Literal["l2", "l1"] = "l2"
     """Column score used for selection: squared L2 norm of the column's gradient (the paper) or its L1 sum."""
 
+    expert_layouts: dict[str, Literal["out_in", "in_out"]] | None = None
+    """How stacks of expert matrices (3-D parameters, mixture-of-experts layers) are split, where transformers does not
+    declare it: a module class name, or a pattern of parameter names, to ``"out_in"`` (``[experts, out, in]``, used
+    with ``F.linear``: Qwen3-MoE, Mixtral, ...) or ``"in_out"`` (``[experts, in, out]``, used with ``bmm``: GPT-OSS).
+    Such a parameter is split as ``[experts x out, in]`` (``[experts x in, out]``): its columns are the input channels
+    the experts share (for ``"in_out"``, the output channels). transformers' own experts modules say their layout
+    themselves; a 3-D parameter that is neither named nor declared (nor a convolution's) is split as ``[shape[0],
+    the rest]``, said once (docs/llm.md, "Mixture-of-experts models")."""
+
     sync_on: tuple[str, ...] = ()
     """Opt-in boundaries at which host work in flight is applied early, so the model holds every finished update
     there: any of ``"validation"``, ``"epoch_end"``, ``"checkpoint"``. Each one changes the run's numbers (an update
@@ -247,6 +256,10 @@ class ZenFlowConfig:
             )
         if self.importance not in ("l2", "l1"):
             raise ValueError(f"importance={self.importance!r} is not one of 'l2' (squared L2 norm) or 'l1'.")
+        if self.expert_layouts is not None:
+            from lightning_zenflow.matrices import check_expert_layouts
+
+            object.__setattr__(self, "expert_layouts", check_expert_layouts(self.expert_layouts))
         unknown = [b for b in self.sync_on if b not in SYNC_BOUNDARIES]
         if unknown:
             raise ValueError(f"sync_on has unknown boundaries {unknown}; choose from {list(SYNC_BOUNDARIES)}.")

@@ -44,7 +44,7 @@ import atexit
 import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -52,7 +52,9 @@ import torch
 
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
+from lightning_zenflow.engine.notices import notice_once
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.matrices import matrix_columns
 from lightning_zenflow.optim_state import (
     STATE_KEY,
     check_fits,
@@ -99,6 +101,10 @@ class ZenFlowAdamW(torch.optim.AdamW):
             :class:`~lightning_zenflow.config.ZenFlowConfig` (the table in docs/knobs.md).
         ranks: the data-parallel ranks; ``None``: torch.distributed's default group when it is initialised with more
             than one rank (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` say which share of the machine is this rank's).
+        model: the model whose parameters these are, read once here for how its 3-D expert weights split into
+            matrices of input channels (transformers' experts modules declare it; ``expert_layouts`` names others;
+            ``lightning_zenflow/matrices.py``). Without it a 3-D parameter is split as ``[shape[0], the rest]``, said
+            once. Not kept (a copy of the optimizer does not copy the model).
     """
 
     _step_supports_amp_scaling = True
@@ -134,12 +140,14 @@ class ZenFlowAdamW(torch.optim.AdamW):
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         host_state: Literal["fp32", "bf16"] = "bf16",
         importance: Literal["l2", "l1"] = "l2",
+        expert_layouts: dict[str, Literal["out_in", "in_out"]] | None = None,
         host_threads: int | None = None,
         pt_reserved_cores_perc: float = 0.5,
         bind_cores: bool = True,
         worker_timeout_s: float = 10.0,
         steps_per_epoch: int | None = None,
         ranks: Ranks | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         knobs = {name: value for name, value in locals().items() if name in FACADE_KNOBS}
         # validated before anything else: a wrong knob is a clear error at construction
@@ -149,6 +157,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         # before torch's __init__: it calls add_param_group, which reads this
         self._zenflow = _FacadeState(config=config, ranks=ranks, steps_per_epoch=steps_per_epoch)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, **options)
+        self._zenflow.columns = _expert_columns(self.param_groups, model, config)
 
     # ------------------------------------------------------------------------------------------ the engine
     @property
@@ -171,10 +180,17 @@ class ZenFlowAdamW(torch.optim.AdamW):
                 given = group.get("param_names")
                 for position, param in enumerate(group["params"]):
                     names[param] = given[position] if given else positional_name(group_index, position)
+            columns = {
+                names[param]: facade.columns[(group_index, position)]
+                for group_index, group in enumerate(self.param_groups)
+                for position, param in enumerate(group["params"])
+                if (group_index, position) in facade.columns
+            }
             engine = ZenFlowEngine(
                 self,
                 facade.config,
                 param_names=names,
+                matrix_columns=columns,
                 steps_per_epoch=facade.steps_per_epoch,
                 ranks=facade.ranks or _default_ranks(),
                 guard_zero_grad=False,  # zero_grad below waits for the engine itself
@@ -370,6 +386,33 @@ class _FacadeState:
         self.closed = False
         self.copied_state: dict[str, Any] | None = None
         """A copy's (``copy.deepcopy``, unpickling) state from the original, loaded when its engine starts."""
+        self.columns: dict[tuple[int, int], int] = {}
+        """Per (param group, position): the columns of a stack of expert matrices' view (``matrices.py``)."""
+
+
+def _expert_columns(
+    param_groups: Sequence[Mapping[str, Any]], model: torch.nn.Module | None, config: ZenFlowConfig
+) -> dict[tuple[int, int], int]:
+    """The columns of each stack of expert matrices among the groups' parameters, by (group, position): read from
+    ``model`` (``matrices.py``); without a model, 3-D parameters are said once (they keep the default view)."""
+    positions = {id(p): (g, i) for g, group in enumerate(param_groups) for i, p in enumerate(group["params"])}
+    if model is None:
+        stacked = [tuple(p.shape) for group in param_groups for p in group["params"] if p.dim() >= 3]
+        if stacked:
+            notice_once(
+                "facade_without_model",
+                f"ZenFlowAdamW has parameters of three or more dimensions {stacked[:4]} and no model to say how they "
+                "split into matrices of input channels: each is split as [shape[0], the rest]. Pass "
+                "ZenFlowAdamW(..., model=model) for mixture-of-experts models (transformers' experts modules say "
+                "their layout; expert_layouts names others).",
+            )
+        return {}
+    columns = matrix_columns(model, config.expert_layouts)
+    return {
+        positions[id(p)]: columns[name]
+        for name, p in model.named_parameters()
+        if name in columns and id(p) in positions
+    }
 
 
 def _check_torch_options(options: Mapping[str, object], where: str) -> None:

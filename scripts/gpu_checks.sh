@@ -220,7 +220,7 @@ fi
 
 # the planner on this machine: the rates it measures (pinned copies each way, the host step, the device step) and its
 # plan of Qwen2.5-14B with them, to set beside what the benchmarks above measured (configs/llm_gpu.yaml is that plan)
-run_step plan_measure 60 "$python" -m lightning_zenflow.cli plan --model configs/models/Qwen2.5-14B.json \
+run_step plan_measure 120 "$python" -m lightning_zenflow.cli plan --model configs/models/Qwen2.5-14B.json \
   --activation-checkpointing --measure --json
 
 run_step offload_profile 60 "$python" benchmarks/offload_bench.py "${bench[@]}" --warmup-steps 8 --steps 8 \

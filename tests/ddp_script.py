@@ -13,7 +13,7 @@ and link bytes, its worker's pid. Options (JSON): ``accelerator`` (default ``"cp
 ``fully_shard`` in ``configure_model``; the strategy is ``ZenFlowFSDPStrategy``, or Lightning's
 ModelParallelStrategy for ``"adamw"``; ``shard`` names what is sharded: ``"all"`` (default), ``"none"``, ``"offload"``
 (with ``CPUOffloadPolicy``)), ``entry`` (another fit with these options instead, ``"module:function"``: see
-:func:`fit_of`).
+:func:`fit_of`), ``experts`` (the sharded module with a mixture-of-experts layer, :class:`ExpertsModule`).
 """
 
 from __future__ import annotations
@@ -84,6 +84,48 @@ class ShardedModule(InOrderModule):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh, **extra)
         fully_shard(self, mesh=mesh, **extra)
+
+
+class Experts(torch.nn.Module):
+    """A mixture-of-experts layer as transformers 5 builds one: the experts fused in one ``[E, out, in]`` parameter used
+    with ``F.linear`` and declared so (``is_transposed``, as transformers' experts modules say it); each sample goes to
+    one expert by its first features, so some experts see no sample in a step (a zero gradient slice)."""
+
+    is_transposed = False
+
+    def __init__(self, experts: int = 4, features: int = 24) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, features, features) * 0.3)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        route = hidden[:, : self.weight.shape[0]].argmax(dim=1)
+        mixed = torch.zeros_like(hidden)
+        for expert in range(self.weight.shape[0]):
+            chosen = route == expert
+            if bool(chosen.any()):
+                mixed[chosen] = torch.nn.functional.linear(hidden[chosen], self.weight[expert])
+        return hidden + torch.tanh(mixed)
+
+
+class ExpertsModule(ShardedModule):
+    """The sharded module with an experts layer between its two linear layers (``experts`` option): under FSDP2 the
+    experts are sharded by their first dimension, a block of whole experts per rank."""
+
+    def __init__(self, shard: str = "all", **kwargs: object) -> None:
+        super().__init__(shard=shard, **kwargs)
+        torch.manual_seed(SEED + 1)
+        self.experts = Experts()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.experts(self.net[1](self.net[0](inputs))))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if self.shard != "none":
+            mesh = getattr(self.trainer.strategy, "shard_mesh", None) or self.device_mesh["data_parallel"]
+            fully_shard(self.experts, mesh=mesh)
+        super().configure_model()
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -199,7 +241,9 @@ def fit(out: pathlib.Path, options: dict) -> None:
             )
         )
     samples, batch_size = options.get("samples", 32), options.get("batch_size", 4)
-    if fsdp or options.get("wide"):
+    if options.get("experts"):
+        module = ExpertsModule(shard="all" if fsdp else "none", samples=samples, batch_size=batch_size)
+    elif fsdp or options.get("wide"):
         shard = options.get("shard", "all") if fsdp else "none"
         module = ShardedModule(shard=shard, samples=samples, batch_size=batch_size)
     else:

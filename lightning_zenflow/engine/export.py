@@ -107,9 +107,16 @@ def restore_exported(moments: Mapping[str, dict], params: Mapping[str, Mapping])
 def _host_mask(entry: Mapping[str, object], like: torch.Tensor | None = None) -> torch.Tensor:
     """The host columns of a matrix (those not ``selected``), for a moment shaped as ``like`` (the entry's own)."""
     like = torch.as_tensor(entry["exp_avg"]) if like is None else like
-    host = torch.ones(like.reshape(like.shape[0], -1).shape[1], dtype=torch.bool)
+    host = torch.ones(_columns(entry, like), dtype=torch.bool)
     host[torch.as_tensor(entry["selected"], dtype=torch.long)] = False
     return host
+
+
+def _columns(entry: Mapping[str, object], like: torch.Tensor) -> int:
+    """The columns of a matrix's view: the entry's own (a stack of expert matrices), else ``numel // shape[0]`` (a
+    state saved before the entries said)."""
+    columns = entry.get("columns")
+    return int(columns) if columns is not None else like.numel() // max(1, like.shape[0])
 
 
 def _host_scales(entry: Mapping[str, object], betas: tuple[float, float]) -> tuple[float, float] | None:
@@ -121,7 +128,7 @@ def _host_scales(entry: Mapping[str, object], betas: tuple[float, float]) -> tup
     beta1, beta2 = betas
     exp_avg_sq = torch.as_tensor(entry["exp_avg_sq"])
     host = _host_mask(entry)
-    host_v = exp_avg_sq.reshape(exp_avg_sq.shape[0], -1)[:, host]
+    host_v = exp_avg_sq.reshape(-1, host.numel())[:, host]
     counts_v = (1.0 - beta2**step) / (1.0 - beta2**host_step)
     return (1.0 - beta1**step) / (1.0 - beta1**host_step), _host_v_factor(entry, host, host_v, beta2, step) or counts_v
 
@@ -129,8 +136,7 @@ def _host_scales(entry: Mapping[str, object], betas: tuple[float, float]) -> tup
 def _scaled(moment: torch.Tensor, host: torch.Tensor, scale: float, divide: float | None = None) -> torch.Tensor:
     """``moment`` with its host columns times ``scale`` (or divided by ``divide``), computed in float64 and rounded
     once to fp32: the same bits on every machine."""
-    rows = moment.shape[0]
-    result = moment.reshape(rows, -1).clone()
+    result = moment.reshape(-1, host.numel()).clone()
     host_part = result[:, host].double()
     result[:, host] = (host_part / divide if divide is not None else host_part * scale).float()
     return result.view_as(moment)

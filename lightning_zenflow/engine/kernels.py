@@ -37,8 +37,6 @@ from lightning_zenflow.engine.rounding import lattice_bits, round_bf16
 KERNELS_ENV = "LIGHTNING_ZENFLOW_KERNELS"
 """Overrides ``interim_kernel="auto"``: ``eager`` or ``compiled`` (the test suite runs eager by default)."""
 KERNEL_MODES = ("auto", "compiled", "eager")
-_TILE_ROWS = 16
-"""Column sums add 16-row tiles first: a compiled CPU kernel then walks the rows in memory order."""
 _ROW_MULTIPLIER = 0x2C1B3C6D
 _COL_MULTIPLIER = 0x297A2D39
 _MIX_MULTIPLIER = 0x5BD1E995
@@ -47,15 +45,10 @@ _MIX_MULTIPLIER = 0x5BD1E995
 # ---------------------------------------------------------------------------------------------- the functions
 def row_col_sums(grad2d: torch.Tensor, host_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums of the squared gradient over the host columns: per row ``[rows]`` and per column ``[cols]`` (zero in
-    the columns that are not host-bound), fp32, from one read of the gradient."""
-    rows, cols = grad2d.shape
+    the columns that are not host-bound), fp32, from one read of the gradient (one fused reduction when compiled: a GPU
+    reduces columns with coalesced loads; the CPU runs ``lightning_zenflow/native``'s)."""
     squared = grad2d.float().square() * host_mask
-    if rows < 2 * _TILE_ROWS or not torch.compiler.is_compiling():
-        # a small matrix (a second graph when compiled), or eager: ATen's column sum walks the rows in order itself
-        return squared.sum(1), squared.sum(0)
-    whole = rows - rows % _TILE_ROWS
-    col_sums = squared[:whole].view(whole // _TILE_ROWS, _TILE_ROWS, cols).sum(1).sum(0) + squared[whole:].sum(0)
-    return squared.sum(1), col_sums
+    return squared.sum(1), squared.sum(0)
 
 
 def _bounded_move(

@@ -1,7 +1,9 @@
 """Which parameters and columns go where, and the shared host buffers that hold the host side.
 
-A trainable parameter with ``ndim >= 2`` is a *matrix*: it is viewed as ``[shape[0], numel // shape[0]]``
-and split by column between the device (the selected columns) and the host (the rest). Parameters with
+A trainable parameter with ``ndim >= 2`` is a *matrix*: it is viewed as ``[shape[0], numel // shape[0]]`` (or with
+the columns its caller gives: a stack of expert matrices ``[E, out, in]`` is ``[E x out, in]``,
+``lightning_zenflow/matrices.py``) and split by column between the device (the selected columns) and the host (the
+rest). Parameters with
 ``ndim <= 1`` are *device-only*. Frozen parameters are ignored.
 
 Per optimizer param group, the host holds flat shared-memory rows of ``n`` elements, where ``n`` is the number of
@@ -179,6 +181,7 @@ def build_layout(
     param_groups: Sequence[Mapping[str, object]],
     names: Mapping[int, str] | None = None,
     ranks: Ranks | None = None,
+    columns: Mapping[int, int] | None = None,
 ) -> list[GroupLayout]:
     """Split the trainable parameters of ``param_groups`` into matrices and device-only parameters.
 
@@ -186,8 +189,11 @@ def build_layout(
         param_groups: the torch optimizer's ``param_groups`` (each a dict with a ``"params"`` list).
         names: optional ``id(param) -> name`` map, used in checkpoints and error messages.
         ranks: the data-parallel ranks; each matrix's host state covers this rank's row block only.
+        columns: optional ``id(param) -> columns`` of a matrix's view where it is not ``numel // shape[0]`` (a stack
+            of expert matrices: ``shape[-1]``).
     """
     names = names or {}
+    columns = columns or {}
     ranks = ranks or Ranks()
     seen: set[int] = set()
     layout = []
@@ -225,7 +231,12 @@ def build_layout(
                         "(strategy: before fit): `param.data = param.data.contiguous()` for each such parameter, or "
                         "keep the model in torch.contiguous_format (a model moved to channels_last has such weights)."
                     )
-                rows = param.shape[0]
+                cols = columns.get(id(param), param.numel() // max(1, param.shape[0]))
+                if cols < 1 or param.numel() % cols:
+                    raise ValueError(
+                        f"parameter {name} {tuple(param.shape)} cannot be viewed as a matrix of {cols} columns."
+                    )
+                rows = param.numel() // cols
                 row_start, row_stop = ranks.own_rows(rows)
                 slot = MatrixSlot(
                     param=param,
@@ -233,7 +244,7 @@ def build_layout(
                     group_index=group_index,
                     index_in_group=len(group_layout.matrices),
                     rows=rows,
-                    cols=param.numel() // rows,
+                    cols=cols,
                     offset=offset,
                     row_start=row_start,
                     row_stop=row_stop,

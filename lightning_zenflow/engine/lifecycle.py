@@ -59,6 +59,7 @@ class EngineLifecycle:
         guard_zero_grad: bool = True,
         maximize_by_caller: bool = False,
         row_offsets: Mapping[str, int] | None = None,
+        matrix_columns: Mapping[str, int] | None = None,
     ) -> None:
         check_optimizer(optimizer, allow_maximize=maximize_by_caller)
         self.optimizer = optimizer
@@ -70,6 +71,9 @@ class EngineLifecycle:
         self._names = {id(p): n for p, n in (param_names or {}).items()}
         self.row_offsets = dict(row_offsets or {})
         """FSDP2: where each matrix's local rows start in the whole matrix (rounding draws by global row)."""
+        self.matrix_columns = dict(matrix_columns or {})
+        """Per parameter name, the columns of its matrix view where they are not ``numel // shape[0]`` (a stack of
+        expert matrices: ``lightning_zenflow/matrices.py``)."""
         self._steps_per_epoch = steps_per_epoch
         self._build_layout()
         self._stage_delays = dict(stage_delays or {})
@@ -91,7 +95,13 @@ class EngineLifecycle:
             for position, param in enumerate(group["params"]):
                 if isinstance(param, torch.Tensor) and id(param) not in self._names:
                     self._names[id(param)] = _unique(f"group{group_index}.param{position}", self._names.values())
-        self.layout = build_layout(self.optimizer.param_groups, self._names, self.ranks)
+        by_id = {
+            id(param): self.matrix_columns[self._names[id(param)]]
+            for group in self.optimizer.param_groups
+            for param in group["params"]
+            if self._names.get(id(param)) in self.matrix_columns
+        }
+        self.layout = build_layout(self.optimizer.param_groups, self._names, self.ranks, by_id)
         params = [s.param for g in self.layout for s in g.matrices] + [
             s.param for g in self.layout for s in g.device_only
         ]

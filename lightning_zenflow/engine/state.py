@@ -133,6 +133,7 @@ def _merged(engine: ZenFlowEngine, row_blocks: bool = False, include_moments: bo
                 continue
             entry.update(
                 kind="matrix",
+                columns=slot.cols,  # the matrix view's (a stack of expert matrices: not numel // shape[0])
                 device_step=state.step,
                 host_step=int(host.step_shared[slot.index_in_group]),
                 selected=state.selected_host.clone(),
@@ -345,12 +346,27 @@ def load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: M
             param.requires_grad_(False)
 
 
+def _check_columns(engine: ZenFlowEngine, params: Mapping[str, Mapping]) -> None:
+    """A state's matrices were viewed with the columns this engine views them with (a stack of expert matrices is
+    ``[E x out, in]``; a state taken under another view holds its selection in other columns)."""
+    for group in engine.layout:
+        for slot in group.matrices:
+            saved = params[slot.name].get("columns")
+            if saved is not None and int(saved) != slot.cols:
+                raise ValueError(
+                    f"the ZenFlow state views {slot.name} {tuple(slot.param.shape)} as a matrix of {int(saved)} "
+                    f"columns, this run as one of {slot.cols}: it was saved under another expert_layouts (or by "
+                    "another transformers version's experts). Resume with the same expert_layouts."
+                )
+
+
 def _load_engine_state_dict(engine: ZenFlowEngine, state: Mapping, torch_state: Mapping | None) -> None:
     engine.merge_cache = None
     # everything is validated before anything is written: a bad state leaves the engine untouched
     check_state(state, _param_shapes(engine))
     params = state["params"]
     check_progress(state["progress"], [len(group.matrices) for group in engine.layout])
+    _check_columns(engine, params)
     moments = moments_by_name(engine.layout, engine.optimizer, torch_state) if torch_state is not None else {}
     moments = restore_exported(moments, params)  # the moments as the engine held them, bitwise (export.py)
     row_blocks = bool(state.get("row_blocks"))

@@ -82,7 +82,8 @@ def check_state(state: object, shapes: Mapping[str, tuple[int, ...]], require_al
             if tuple(value.shape) != shape:
                 differences.append(f"{name} ({key}): checkpoint {tuple(value.shape)}, model {shape}")
         if "selected" in entry and len(shape) >= 2 and not differences:
-            _check_selected(name, entry["selected"], math.prod(shape[1:]))
+            columns = entry.get("columns")  # the matrix view's (a stack of expert matrices), else numel // shape[0]
+            _check_selected(name, entry["selected"], int(columns) if columns is not None else math.prod(shape[1:]))
     if differences:
         raise ValueError(
             "the ZenFlow state was saved for parameters of other shapes: "

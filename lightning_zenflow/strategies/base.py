@@ -29,6 +29,7 @@ from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine, spares
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.matrices import matrix_columns
 from lightning_zenflow.strategies.boundaries import SyncBoundaries as _SyncBoundaries
 from lightning_zenflow.strategies.manual import ManualOptimizers
 from lightning_zenflow.strategies.optimizer_view import OptimizerStateView
@@ -92,6 +93,10 @@ class ZenFlowStrategyBase(CheckpointHooks):
         """Where each parameter's rows start in the whole parameter, where the engine sees a shard (FSDP2)."""
         return None
 
+    def _matrix_columns(self) -> dict[str, int]:
+        """The columns of each stack of expert matrices' view (``lightning_zenflow/matrices.py``), by name."""
+        return matrix_columns(self.lightning_module, self.zenflow_config.expert_layouts)
+
     def _engine_parameters(self) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, str]]:
         """The optimizer the engine runs and the names of its parameters: the user's, with the module's names."""
         names = {param: name for name, param in self.lightning_module.named_parameters()}
@@ -138,6 +143,7 @@ class ZenFlowStrategyBase(CheckpointHooks):
             param_names=names,
             ranks=self._engine_ranks(),
             row_offsets=self._engine_row_offsets(),
+            matrix_columns=self._matrix_columns(),
         ).start()
         self.precision_plugin.engine = self.engine
         if optimizer is self.optimizers[0] and self.engine.ranks.world == 1:

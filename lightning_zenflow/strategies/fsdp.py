@@ -131,13 +131,18 @@ class LocalShards:
         for _, shadow in self.pairs:
             shadow.grad = None
 
-    def row_blocks(self) -> dict[str, tuple[int, int]]:
-        """Per parameter name: where this rank's shard starts in the whole parameter's rows, and how many rows the
-        whole parameter has (FSDP2's ``torch.chunk`` blocks, ``Ranks.block_of``)."""
+    def row_blocks(self, matrix_columns: Mapping[str, int] | None = None) -> dict[str, tuple[int, int]]:
+        """Per parameter name: where this rank's shard starts in the rows of the whole parameter's matrix view, and
+        how many rows that view has (FSDP2's ``torch.chunk`` blocks of the first dimension, ``Ranks.block_of``; a
+        stack of expert matrices viewed ``[E x out, in]`` (``matrix_columns``) has ``out`` rows per expert)."""
         blocks = {}
         for param, shadow in self.pairs:
+            name = self.names[shadow]
             rows = param.shape[0] if param.dim() else 1
-            blocks[self.names[shadow]] = (self.ranks.block_of(rows)[0], rows)
+            per_slice = 1
+            if matrix_columns and name in matrix_columns:
+                per_slice = (param.numel() // max(1, rows)) // matrix_columns[name]
+            blocks[name] = (self.ranks.block_of(rows)[0] * per_slice, rows * per_slice)
         return blocks
 
 
@@ -167,6 +172,8 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
         host_state: precision of the host's optimizer state: ``"bf16"`` (6 B per parameter) or ``"fp32"`` (exact).
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
+        expert_layouts: how 3-D expert parameters are split where transformers does not say: a module class
+            name or parameter pattern to ``"out_in"`` (``[experts, out, in]``) or ``"in_out"``.
         sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
             ``"epoch_end"``, ``"checkpoint"`` (none by default: observing a run does not change its numbers).
         host_threads: threads of each rank's host worker (``None``: its share of the rank's cores).
@@ -202,6 +209,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         host_state: Literal["fp32", "bf16"] = "bf16",
         importance: Literal["l2", "l1"] = "l2",
+        expert_layouts: dict[str, Literal["out_in", "in_out"]] | None = None,
         sync_on: tuple[str, ...] | list[str] = (),
         host_threads: int | None = None,
         pt_reserved_cores_perc: float = 0.5,
@@ -298,7 +306,7 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
     def _engine_row_offsets(self) -> dict[str, int] | None:
         if self._shards is None:
             return None
-        return {name: offset for name, (offset, _) in self._shards.row_blocks().items()}
+        return {name: offset for name, (offset, _) in self._shards.row_blocks(self._matrix_columns()).items()}
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -307,7 +315,8 @@ class ZenFlowFSDPStrategy(ZenFlowStrategyBase, FSDPCheckpointHooks, ModelParalle
             return
         shards, engine = self._shards, self.engine
         if engine.interim is not None:
-            engine.interim.shard_rows = shards.row_blocks()  # before the first step makes the statistics
+            # before the first step makes the statistics
+            engine.interim.shard_rows = shards.row_blocks(engine.matrix_columns)
 
         def before_zero_grad() -> None:
             engine.wait_for_gradients()

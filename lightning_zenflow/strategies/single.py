@@ -45,6 +45,8 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         accumulate_on: where the window's host-bound gradients are summed: ``"device"``, ``"host"`` or ``"auto"``.
         host_state: precision of the host's optimizer state: ``"bf16"`` (6 B per parameter) or ``"fp32"`` (exact).
         importance: column score, ``"l2"`` (squared norm) or ``"l1"``.
+        expert_layouts: how 3-D expert parameters are split where transformers does not say: a module class
+            name or parameter pattern to ``"out_in"`` (``[experts, out, in]``) or ``"in_out"``.
         sync_on: opt-in boundaries at which host work in flight is applied early: ``"validation"``,
             ``"epoch_end"``, ``"checkpoint"`` (none by default: observing a run does not change its numbers).
         host_threads: threads of the host worker (``None``: its share of the cores).
@@ -76,6 +78,7 @@ class ZenFlowStrategy(ZenFlowStrategyBase, SingleDeviceStrategy):
         accumulate_on: Literal["auto", "device", "host"] = "auto",
         host_state: Literal["fp32", "bf16"] = "bf16",
         importance: Literal["l2", "l1"] = "l2",
+        expert_layouts: dict[str, Literal["out_in", "in_out"]] | None = None,
         sync_on: tuple[str, ...] | list[str] = (),
         host_threads: int | None = None,
         pt_reserved_cores_perc: float = 0.5,
