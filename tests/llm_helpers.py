@@ -116,7 +116,8 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
 
     The data module is the package's own, with Lightning's distributed sampler over the ranks; ``options["replay"]``
     (a list of batches of text blocks, token ids) replaces its training batches with these, in this order: one
-    process then trains on the global batches a multi-rank fit recorded."""
+    process then trains on the global batches a multi-rank fit recorded (resumed from a checkpoint of that fit, on
+    those after the checkpoint's: the loader keeps its place as the data module's does)."""
     import lightning
     from ddp_script import full_weights
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -124,11 +125,14 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
 
     import lightning_zenflow
     from lightning_zenflow.llm import CausalLMDataModule, CausalLMFineTune
+    from lightning_zenflow.llm.resume import ResumableLoader
 
     class Replay(CausalLMDataModule):
         def train_dataloader(self) -> torch.utils.data.DataLoader:
             rows = torch.tensor([row for batch in options["replay"] for row in batch])
-            return torch.utils.data.DataLoader(rows, batch_size=self.batch_size, collate_fn=text_batch)
+            return ResumableLoader(
+                rows, batch_size=self.batch_size, collate_fn=text_batch, trainer=lambda: self.trainer
+            )
 
     class Record(Callback):
         def __init__(self) -> None:
@@ -196,6 +200,8 @@ def fit(out: pathlib.Path, options: dict) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        # a replay is the batches in their order: no distributed sampler (it shuffles, at one rank of FSDP2 too)
+        use_distributed_sampler=not options.get("replay"),
         callbacks=callbacks,
         default_root_dir=str(out),
     )
@@ -250,6 +256,72 @@ def save_random_llama(folder: pathlib.Path, max_shard_size: str | None, **sizes:
     return folder
 
 
+TINY_MOE = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 8, "moe_intermediate_size": 16, "head_dim": 8, "decoder_sparse_step": 1},
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "intermediate_size": 16}),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "num_local_experts": 8,
+            "intermediate_size": 16,
+            "head_dim": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+}
+"""Tiny mixture-of-experts configurations (8 experts, 2 a token, 2 layers, hidden 32) of three ways ``transformers``
+5 holds experts: Qwen3-MoE (files of per-expert tensors, fused into ``[experts, out, in]`` by stacking and
+concatenating), Mixtral (the same rule over other names, with a rename) and GPT-OSS (fused ``[experts, in, out]`` in
+the files as in the module, biases too; no rule)."""
+
+
+def save_random_moe(
+    folder: pathlib.Path, architecture: str = "qwen3_moe", max_shard_size: str | int | None = None, **sizes: Any
+) -> pathlib.Path:
+    """A random mixture-of-experts model of ``architecture`` (a key of :data:`TINY_MOE`; ``sizes`` override its
+    config), tied embeddings, saved with ``save_pretrained`` in ``folder`` (what ``transformers`` writes: per-expert
+    tensors for Qwen3-MoE and Mixtral, fused ones for GPT-OSS), in files of at most ``max_shard_size``, with the test
+    tokenizer. Every row count is even: FSDP2 gives each of 2 (and 4) ranks a block of every parameter, 2 experts a
+    rank at 4."""
+    import transformers
+
+    config_class, model_class, own = TINY_MOE[architecture]
+    tiny = {
+        "vocab_size": 300,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+    }
+    config = getattr(transformers, config_class)(
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=VOCAB["<pad>"],
+        eos_token_id=VOCAB["<eos>"],
+        bos_token_id=None,
+        **{**tiny, **own, **sizes},
+    )
+    torch.manual_seed(0)
+    limit = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    getattr(transformers, model_class)(config).save_pretrained(folder, **limit)
+    save_tokenizer(folder, CHAT_TEMPLATE)
+    return folder
+
+
+def save_random_qwen3_moe(folder: pathlib.Path, max_shard_size: str | int | None = None, **sizes: Any) -> pathlib.Path:
+    """A random Qwen3-MoE (:data:`TINY_MOE`'s, ``sizes`` overriding ``Qwen3MoeConfig`` fields) saved in ``folder``:
+    :func:`save_random_moe`."""
+    return save_random_moe(folder, "qwen3_moe", max_shard_size, **sizes)
+
+
 def peak_kib() -> int:
     """This process's peak resident memory (``VmHWM``), in KiB."""
     for line in pathlib.Path("/proc/self/status").read_text().splitlines():
@@ -273,8 +345,8 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
     Writes (and returns) ``out/rank{r}.pt``: per dtype, the weights gathered whole (on every rank; not with
     ``options["gather"]`` false), the buffers, whether the embeddings are one parameter, this rank's peak resident
     memory (``VmHWM``, KiB) after the model was built and sharded on meta and after it was loaded (reset to the
-    resident memory before the build), and with ``options["compare_rows"]`` the names whose rows differ from
-    ``from_pretrained``'s (:func:`differing_rows`, after the measurement)."""
+    resident memory before the build), the bytes it read from the weight files, and with ``options["compare_rows"]``
+    the names whose rows differ from ``from_pretrained``'s (:func:`differing_rows`, after the measurement)."""
     import torch.distributed as dist
     import transformers
     from ddp_script import full_weights
@@ -306,13 +378,14 @@ def sharded_load(out: pathlib.Path, options: dict) -> dict[str, Any]:
             model = structure(config, dtype)
             shard_blocks(model, mesh)  # on meta: the structure, sharded, holds no weight
             meta_kib = peak_kib()
-            load_sharded(model, options["model_dir"], mesh, device)
+            read_bytes = load_sharded(model, options["model_dir"], mesh, device)
             loaded_kib = peak_kib()
             output = model.get_output_embeddings().weight
             result["loads"][dtype_name] = {
                 "before_kib": before_kib,
                 "meta_kib": meta_kib,
                 "loaded_kib": loaded_kib,
+                "read_bytes": read_bytes,
                 "tied": output is model.get_input_embeddings().weight,
                 "sharded": type(output).__name__ == "DTensor",
                 "weights": full_weights(model) if options.get("gather", True) else None,

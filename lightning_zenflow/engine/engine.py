@@ -78,9 +78,8 @@ class ZenFlowEngine(EngineLifecycle):
             (``ZenFlowAdamW``'s does).
         maximize_by_caller: accept ``maximize=True`` param groups: the caller negates their gradients before
             :meth:`step` (``ZenFlowAdamW.step`` does); otherwise they are refused.
-        row_offsets: FSDP2: per matrix name, where this rank's local rows start in the whole matrix.
-        matrix_columns: per parameter name, the columns of its matrix view where they are not ``numel // shape[0]``:
-            a stack of expert matrices ``[E, out, in]`` is ``[E x out, in]`` (``lightning_zenflow/matrices.py``).
+        row_offsets, matrix_columns: FSDP2's local rows' start per matrix name; a matrix view's columns per name where
+            not ``numel // shape[0]`` (``[E, out, in]`` experts are ``[E x out, in]``: ``lightning_zenflow/matrices.py``).
     """
 
     # ------------------------------------------------------------------------------------------------ the step

@@ -94,7 +94,8 @@ class CausalLMFineTune(LightningModule):
                 ``"on_device"`` and ``"auto"`` (the same): the model's structure is built here with its parameters on
                 the meta device (no memory) and the weights are read at setup (``configure_model``). Under
                 ``zenflow_fsdp`` the model is sharded first and each rank reads only its own rows of the safetensors
-                files onto its device: a rank's peak is its share of the weights plus a 4 MiB conversion buffer
+                files onto its device (of a mixture of experts' fused parameters, its own experts' tensors:
+                ``conversions.py``): a rank's peak is its share of the weights plus a 4 MiB conversion buffer
                 (``sharded_load.py``; docs/llm.md has the measurements). Under the other strategies they are read
                 whole, file by file, straight onto the training device: the host holds no copy of the model.
             export_max_shard_size: the largest safetensors file of the export (``save_pretrained``'s

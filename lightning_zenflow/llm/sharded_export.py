@@ -1,10 +1,19 @@
 """The Hugging Face export of an FSDP2-sharded model, written one tensor at a time (no rank holds the model).
 
 Every rank knows every tensor's name, global shape and dtype (a DTensor carries them), so the files are planned before
-anything is gathered: the tensors in state-dict order, a new file whenever the next tensor would take the current one
-past ``max_shard_size`` (a tensor larger than the limit gets a file of its own), each file's safetensors header
-computed up front. Rank 0 writes a file's header, then for each of its tensors every rank takes part in one all-gather
-(``DTensor.full_tensor``) and rank 0 appends the bytes. At any moment a rank holds its shards plus one whole tensor.
+anything is gathered: the tensors ``save_pretrained`` writes, in its order, a new file whenever the next tensor would
+take the current one past ``max_shard_size`` (a tensor larger than the limit gets a file of its own), each file's
+safetensors header computed up front. Rank 0 writes a file's header, then for each of its tensors every rank takes
+part in one all-gather (``DTensor.full_tensor``) and rank 0 appends the bytes. At any moment a rank holds its shards
+plus one whole tensor.
+
+Where ``transformers`` converts between the files' tensors and the module's (``conversions.py``: a mixture of experts'
+fused 3-D parameters), the tensors written are the files' own, as ``save_pretrained`` writes them: the plan runs its
+reversed rules on meta tensors of the global shapes, and at the write rank 0 runs them on each gathered group (one
+fused parameter, cut into its experts' tensors). Rank 0 then holds one fused parameter and its experts' copies (a
+``Chunk`` copies): twice that parameter at most. The split into files follows the tensors one by one, where
+``save_pretrained`` keeps the experts cut from one fused parameter in one file (they share its memory): the same
+tensors, possibly in other files under a small ``max_shard_size``.
 
 The folder is what ``save_pretrained`` writes for the same weights: ``model-0000k-of-0000n.safetensors`` files with
 the ``model.safetensors.index.json`` that maps every name to its file (written for one file too), ``config.json``
@@ -25,6 +34,7 @@ from typing import Any
 
 import torch
 
+from lightning_zenflow.llm.conversions import save_groups, saved_tensors
 from lightning_zenflow.llm.sharded_load import SAFETENSORS_DTYPES, SAFETENSORS_INDEX
 
 HEADER_ALIGNMENT = 8
@@ -51,6 +61,11 @@ class PlannedFile:
         text = json.dumps(entries, separators=(",", ":")).encode()
         text += b" " * (-(len(text) + 8) % HEADER_ALIGNMENT)
         return struct.pack("<Q", len(text)) + text
+
+
+def _whole(tensor: torch.Tensor, dtensor_class: type) -> torch.Tensor:
+    """``tensor`` whole: a DTensor all-gathered (a collective: every rank calls it), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, dtensor_class) else tensor
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -118,28 +133,51 @@ def write_sharded(model: Any, export_dir: str | Path, max_shard_size: int, is_gl
     from torch.distributed.tensor import DTensor
 
     state = model.state_dict(keep_vars=True)  # DTensors for the sharded parameters, plain tensors for buffers
-    names = saved_names(model, state)
-    for name in names:
-        if state[name].dtype not in DTYPE_NAMES:
-            raise ValueError(f"the export cannot write {name} of dtype {state[name].dtype} to safetensors.")
-    files = plan_files([(name, tuple(state[name].shape), state[name].dtype) for name in names], max_shard_size)
+    groups = save_groups(model, saved_names(model, state))
+    # what save_pretrained writes for each group, planned on meta tensors of the global shapes
+    planned_groups = [
+        saved_tensors(
+            model, {name: torch.empty(state[name].shape, dtype=state[name].dtype, device="meta") for name in group}
+        )
+        for group in groups
+    ]
+    planned = [
+        (name, tuple(tensor.shape), tensor.dtype) for outputs in planned_groups for name, tensor in outputs.items()
+    ]
+    for name, _, dtype in planned:
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"the export cannot write {name} of dtype {dtype} to safetensors.")
+    files = plan_files(planned, max_shard_size)
+    file_of = {name: planned_file for planned_file in files for name, _, _ in planned_file.tensors}
     folder = Path(export_dir)
     if is_global_zero:
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob("model*.safetensors"):  # a former export's files would mix into the index
             stale.unlink()
-    for planned in files:
-        with open(folder / planned.name, "wb") if is_global_zero else contextlib.nullcontext() as sink:
-            if sink is not None:
-                sink.write(planned.header())
-            for name, _, _ in planned.tensors:
-                tensor = state[name]
-                # every rank takes part in this all-gather; only rank 0 keeps the whole tensor past the next line
-                whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-                if sink is not None:
-                    host = whole.detach().to("cpu").contiguous()
-                    sink.write(memoryview(host.view(-1).view(torch.uint8).numpy()))
+    with contextlib.ExitStack() as closing:  # the file being written, closed on the way out too
+        writing: PlannedFile | None = None
+        sink: Any = None
+        for group, outputs_planned in zip(groups, planned_groups):
+            # every rank takes part in each all-gather; only rank 0 keeps the whole tensors past this group
+            whole = {name: _whole(state[name], DTensor) for name in group}
+            if not is_global_zero:
                 del whole
+                continue
+            outputs = saved_tensors(model, {name: tensor.detach().to("cpu") for name, tensor in whole.items()})
+            del whole
+            if [(name, tensor.shape) for name, tensor in outputs.items()] != [
+                (name, tensor.shape) for name, tensor in outputs_planned.items()
+            ]:
+                raise RuntimeError(f"transformers' reversed conversion of {group} wrote other tensors than planned")
+            for name, tensor in outputs.items():
+                if file_of[name] is not writing:  # the plan's next file: the tensors come in its order
+                    closing.close()  # the former file is whole
+                    writing = file_of[name]
+                    sink = closing.enter_context(open(folder / writing.name, "wb"))
+                    sink.write(writing.header())
+                host = tensor.contiguous()
+                sink.write(memoryview(host.view(-1).view(torch.uint8).numpy()))
+            del outputs
     if not is_global_zero:
         return
     index = {

@@ -14,10 +14,13 @@ buffer of 4 MiB (:data:`STAGING_BYTES`) and converted from there. No file is mem
 counts in the rank's resident memory: each rank's peak above the model built and sharded on meta is its share of the
 weights plus at most that buffer (and a few MiB of bookkeeping), measured in ``tests/test_llm_sharded_memory.py``.
 
-A file's tensor is matched to the model by its ``state_dict`` name, or that name without the base model's prefix (as
-a file of the bare model names it). Architectures whose files name their weights otherwise than their modules do
-(``transformers``' weight conversions: fused experts, renamed blocks) are refused with the fix, as are
-``pytorch_model.bin`` folders; tensors the model does not have are skipped (``from_pretrained`` warns of them).
+A file's tensor is matched to the model as ``from_pretrained`` matches it: by its ``state_dict`` name, with or without
+the base model's prefix, after ``transformers``' renames; the tensors that ``transformers`` fuses (a mixture of
+experts' per-expert tensors into one 3-D parameter) are planned by ``conversions.py``, each rank reading the file
+tensors of its own experts into its rows. All of it is planned from the files' headers first (:func:`plan_folder`), so
+what cannot be read (a conversion rule it does not read per row, a missing tensor, another shape,
+``pytorch_model.bin`` folders, quantized ones) is refused with the fix before any weight is allocated; tensors the
+model does not have are skipped (``from_pretrained`` warns of them).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_zenflow.llm.conversions import Read, ReadPlan, ShardedLoadError, load_fix, plan_reads
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -51,17 +56,6 @@ READ_CHUNK_BYTES = 64 << 20
 """The largest single ``read`` (the kernel caps one read at 2 GiB anyway)."""
 STAGING_BYTES = 4 << 20
 """The host buffer that rows go through when they need a conversion (another dtype, a GPU)."""
-
-
-class ShardedLoadError(ValueError):
-    """A model folder or model that the sharded reader cannot load; the message names the fix."""
-
-
-def _fix() -> str:
-    return (
-        "or pass --model.load_weights now (every rank then reads the whole model into its host memory before it is "
-        "sharded), or train it under strategy zenflow_ddp"
-    )
 
 
 # ------------------------------------------------------------------------------------------- the structure
@@ -105,17 +99,6 @@ def restore_buffers(model: torch.nn.Module, saved: Mapping[str, torch.Tensor]) -
         model.get_buffer(name).copy_(value)
 
 
-def checkpoint_renames(model: Any) -> list[str]:
-    """The weight conversions ``transformers`` applies between this architecture's files and its modules (besides
-    the renames of legacy files), as text; empty where the files name every weight as the module does."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import PrefixChange
-    except ImportError:  # transformers 4: no conversions
-        return []
-    return [repr(c) for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
-
-
 # ------------------------------------------------------------------------------------------------ the files
 def weight_files(folder: str | Path) -> list[Path]:
     """The safetensors files of a model folder, in the order their index lists them (or the one file)."""
@@ -130,9 +113,11 @@ def weight_files(folder: str | Path) -> list[Path]:
         raise ShardedLoadError(
             f"{folder} holds pytorch_model.bin weights, which each rank cannot read a part of (a pickle is read "
             "whole). Convert the folder once to safetensors (AutoModelForCausalLM.from_pretrained(folder)"
-            f".save_pretrained(new_folder), then --model.model_path new_folder), {_fix()}."
+            f".save_pretrained(new_folder), then --model.model_path new_folder), {load_fix()}."
         )
-    raise ShardedLoadError(f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {folder}: pass a model folder, {_fix()}.")
+    raise ShardedLoadError(
+        f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {folder}: pass a model folder, {load_fix()}."
+    )
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -175,7 +160,7 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         if not (isinstance(placement, Shard) and placement.dim == 0):
             raise ShardedLoadError(
                 f"a parameter is placed {tuple(tensor.placements)}; the sharded reader reads FSDP2's row shards "
-                f"(Shard(0), Replicate() across replicas) only: shard with fully_shard, {_fix()}."
+                f"(Shard(0), Replicate() across replicas) only: shard with fully_shard, {load_fix()}."
             )
         size, coordinate = tensor.device_mesh.size(dim), tensor.device_mesh.get_local_rank(dim)
         block = math.ceil((stop - start) / size)
@@ -183,84 +168,106 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if local.shape[0] != stop - start:
         raise ShardedLoadError(
             f"a shard holds {local.shape[0]} rows where FSDP2's blocks give this rank {stop - start} of {rows}: "
-            f"shard without a custom shard_placement_fn, {_fix()}."
+            f"shard without a custom shard_placement_fn, {load_fix()}."
         )
     return local, start, stop
 
 
+def plan_folder(model: Any, folder: str | Path) -> ReadPlan:
+    """What :func:`load_rows` reads of ``folder`` into ``model`` (which may still be on meta), from the files' headers
+    alone (``conversions.py``'s :func:`~lightning_zenflow.llm.conversions.plan_reads`). Raises
+    :class:`ShardedLoadError`, naming the fix, for anything it cannot read: so a caller that plans first refuses before
+    it allocates a weight."""
+    quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else type(quantization).__name__
+        raise ShardedLoadError(
+            f"{folder}'s config.json holds a quantization_config ({method}); the sharded reader reads float tensors "
+            "only. Save a de-quantized copy once (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, "
+            "plus the quantizer's dequantize option, such as quantization_config=Mxfp4Config(dequantize=True))"
+            f".save_pretrained(new_folder), then --model.model_path new_folder), {load_fix()}."
+        )
+    return plan_reads(model, [(path, *read_header(path)) for path in weight_files(folder)])
+
+
 @torch.no_grad()
-def load_rows(model: torch.nn.Module, folder: str | Path) -> None:
-    """Read this rank's rows of every parameter and persistent buffer of ``model`` from ``folder``'s safetensors.
+def load_rows(model: torch.nn.Module, folder: str | Path, plan: ReadPlan | None = None) -> int:
+    """Read this rank's rows of every parameter and persistent buffer of ``model`` from ``folder``'s safetensors, as
+    ``plan`` (:func:`plan_folder`, made here when ``None``) places the file tensors; the bytes read from the files.
 
     Converts to each target's dtype (``--model.dtype``). Tied parameters are one tensor, read once (from whichever of
-    their names the files hold). Raises :class:`ShardedLoadError` for a weight of the model that no file holds, or a
-    file's tensor of another shape than the model's."""
-    targets = model.state_dict(keep_vars=True)  # parameters and persistent buffers, tied ones under each name
-    prefix = getattr(model, "base_model_prefix", "")
-    loaded: set[int] = set()
-    unexpected: list[str] = []
+    their names the files hold). A fused parameter's row that another rank holds (an expert) is not read at all.
+    Records the conversions that matched as ``model._weight_conversions``, as ``from_pretrained`` does: the export
+    writes the files' format back from them. Raises :class:`ShardedLoadError` (from the plan) for a weight of the
+    model that no file holds, or a file tensor of another shape than its place."""
+    if plan is None:
+        plan = plan_folder(model, folder)
+    targets = model.state_dict(keep_vars=True)
+    reads_by_file: dict[Path, list[Read]] = {}
+    for read in plan.reads:
+        reads_by_file.setdefault(read.source.path, []).append(read)
     staging = _Staging()
-    for path in weight_files(folder):
-        header, data_start = read_header(path)
+    read_bytes = 0
+    for path, reads in reads_by_file.items():
+        reads.sort(key=lambda read: read.source.entry["data_offsets"][0])  # forward through the file
         with open(path, "rb", buffering=0) as file:
-            for key, entry in header.items():
-                name = key if key in targets else f"{prefix}.{key}"
-                target = targets.get(name)
-                if target is None:
-                    unexpected.append(key)
-                    continue
-                if id(target) in loaded:  # the second name of a tied weight
-                    continue
-                shape = tuple(entry["shape"])
-                if shape != tuple(target.shape):
-                    raise ShardedLoadError(
-                        f"{path.name}: {key} has shape {shape}, the model's {name} {tuple(target.shape)}; the config "
-                        f"does not describe these weights: check --model.model_path, {_fix()}."
-                    )
-                _read_tensor_rows(file, data_start, entry, target, staging)
-                loaded.add(id(target))
-    missing = [name for name, target in targets.items() if id(target) not in loaded]
-    if unexpected and not missing:
-        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-        warnings.warn(f"the safetensors files in {folder} also hold {shown}, unused by the model", stacklevel=2)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        also = f"; the files hold {', '.join(unexpected[:3])}, ... instead" if unexpected else ""
-        raise ShardedLoadError(
-            f"the safetensors files in {folder} hold no {shown}{also}: check that the folder's config and weights are "
-            f"of one model (--model.model_path), {_fix()}."
-        )
+            for read in reads:
+                read_bytes += _read_placed(file, read, targets[read.target], staging)
+    if plan.unexpected:
+        shown = ", ".join(plan.unexpected[:5])
+        more = f" and {len(plan.unexpected) - 5} more" if len(plan.unexpected) > 5 else ""
+        warnings.warn(f"the safetensors files in {folder} also hold {shown}{more}, unused by the model", stacklevel=2)
+    if plan.conversions is not None:
+        model._weight_conversions = plan.conversions
+    return read_bytes
 
 
-def _read_tensor_rows(
-    file: Any, data_start: int, entry: Mapping[str, Any], target: torch.Tensor, staging: _Staging
-) -> None:
-    """Read the rows of one file tensor that this rank's part of ``target`` holds, into it."""
-    file_dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+def _read_placed(file: Any, read: Read, target: torch.Tensor, staging: _Staging) -> int:
+    """Read what this rank holds of ``read``'s file tensor into its part of ``target``; the bytes read.
+
+    A plain tensor: this rank's rows of it, one contiguous byte range. A piece of a fused tensor (an expert): the
+    whole file tensor when this rank holds its row, into the row's slice; else nothing."""
+    source = read.source
+    file_dtype = SAFETENSORS_DTYPES.get(source.entry["dtype"])
     if file_dtype is None:
         raise ShardedLoadError(
-            f"{file.name}: dtype {entry['dtype']} is not one the sharded reader converts "
-            f"({', '.join(SAFETENSORS_DTYPES)}), {_fix()}."
+            f"{file.name}: dtype {source.entry['dtype']} is not one the sharded reader converts "
+            f"({', '.join(SAFETENSORS_DTYPES)}), {load_fix()}."
         )
     local, start, stop = local_rows(target)
-    if stop == start:
-        return
-    shape = tuple(entry["shape"])
-    row_shape = shape[1:]
+    offset = source.data_start + source.entry["data_offsets"][0]
+    if read.row is None:
+        if stop == start:
+            return 0
+        row_shape = source.shape[1:]
+        rows = local.view(-1, *row_shape) if source.shape else local.view(1)
+        return _read_rows(file, offset + start * math.prod(row_shape) * file_dtype.itemsize, rows, file_dtype, staging)
+    if not start <= read.row < stop:  # another rank's expert: not a byte of it is read here
+        return 0
+    destination = local[read.row - start]
+    if destination.dim() == 0:
+        return _read_rows(file, offset, destination.view(1), file_dtype, staging)
+    destination = destination.narrow(read.dim, read.offset, source.shape[read.dim])  # its slice of the row
+    return _read_rows(file, offset, destination, file_dtype, staging)
+
+
+def _read_rows(file: Any, offset: int, rows: torch.Tensor, file_dtype: torch.dtype, staging: _Staging) -> int:
+    """Read ``rows`` (a view ``[count, *row_shape]`` of a target, its file bytes contiguous from ``offset``) from
+    ``file``; the bytes read."""
+    row_shape = tuple(rows.shape[1:])
     row_bytes = math.prod(row_shape) * file_dtype.itemsize
-    offset = data_start + entry["data_offsets"][0] + start * row_bytes
-    if local.dtype == file_dtype and local.device.type == "cpu" and local.is_contiguous():
-        _read_into(file, offset, local)  # straight into the shard's memory
-        return
-    # another dtype or device: through the host staging buffer, a few MiB of rows at a time; copy_ converts (and, to
-    # a GPU, copies synchronously: the buffer is free again when it returns)
-    rows = local.view(-1, *row_shape) if shape else local.view(1)
+    if rows.dtype == file_dtype and rows.device.type == "cpu" and rows.is_contiguous():
+        _read_into(file, offset, rows)  # straight into the shard's memory
+        return rows.shape[0] * row_bytes
+    # another dtype or device, or a strided slice: through the host staging buffer, a few MiB of rows at a time;
+    # copy_ converts (and, to a GPU, copies synchronously: the buffer is free again when it returns)
     step = max(1, STAGING_BYTES // max(1, row_bytes))
-    for first in range(0, stop - start, step):
-        count = min(step, stop - start - first)
+    for first in range(0, rows.shape[0], step):
+        count = min(step, rows.shape[0] - first)
         rows_host = staging.rows(count, row_shape, file_dtype)
         _read_into(file, offset + first * row_bytes, rows_host)
         rows[first : first + count].copy_(rows_host)
+    return rows.shape[0] * row_bytes
 
 
 class _Staging:

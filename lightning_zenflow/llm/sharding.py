@@ -1,7 +1,8 @@
 """FSDP2 for :class:`~lightning_zenflow.llm.CausalLMFineTune` under ``zenflow_fsdp``: the Hugging Face model is
 sharded by ``fully_shard`` on every decoder block, then on the whole model (the recipe of docs/distributed.md), over
 the mesh :func:`shard_mesh` names; :func:`load_sharded` builds, shards and reads it with each rank reading its own rows
-(``sharded_load.py``); the sample after fit gathers it whole on rank 0 (:func:`whole_model`).
+(``sharded_load.py``; mixture-of-experts files too, each rank reading its own experts: ``conversions.py``); the sample
+after fit gathers it whole on rank 0 (:func:`whole_model`).
 
 The blocks are the modules the model names in ``_no_split_modules`` (Hugging Face's own unit of sharding:
 ``LlamaDecoderLayer``, ...). The root's ``fully_shard`` takes every parameter outside them: the embeddings, the final
@@ -24,31 +25,20 @@ def shard_mesh(module: Any) -> Any:
     return strategy_mesh if strategy_mesh is not None else module.device_mesh["data_parallel"]
 
 
-def load_sharded(model: torch.nn.Module, folder: str, mesh: Any, device: torch.device) -> None:
+def load_sharded(model: torch.nn.Module, folder: str, mesh: Any, device: torch.device) -> int:
     """Shard ``model`` (built by :func:`~lightning_zenflow.llm.sharded_load.structure`: parameters on meta, buffers on
-    the host) over ``mesh``, materialise this rank's shards on ``device`` and read its rows from ``folder``.
+    the host) over ``mesh``, materialise this rank's shards on ``device`` and read its rows from ``folder``; the bytes
+    this rank read from the files.
 
-    Each rank allocates and reads its own rows only; the buffers the files do not hold (rotary tables) get back the
-    values the constructor computed; tied parameters stay one parameter. Raises
-    :class:`~lightning_zenflow.llm.sharded_load.ShardedLoadError` (naming the fix) before anything is allocated for a
-    folder it cannot read (``pytorch_model.bin``) or an architecture whose files name weights otherwise."""
-    from lightning_zenflow.llm.sharded_load import (
-        ShardedLoadError,
-        checkpoint_renames,
-        host_buffers,
-        load_rows,
-        restore_buffers,
-        weight_files,
-    )
+    Each rank allocates and reads its own rows only (of a fused mixture-of-experts parameter: its experts' file
+    tensors, ``conversions.py``); the buffers the files do not hold (rotary tables) get back the values the
+    constructor computed; tied parameters stay one parameter. The reads are planned from the files' headers first, so
+    :class:`~lightning_zenflow.llm.sharded_load.ShardedLoadError` (naming the fix) comes before anything is allocated
+    for a folder it cannot read (``pytorch_model.bin``, quantized weights, a missing tensor) or a conversion that
+    cannot be done per row."""
+    from lightning_zenflow.llm.sharded_load import host_buffers, load_rows, plan_folder, restore_buffers
 
-    renames = checkpoint_renames(model)
-    if renames:
-        raise ShardedLoadError(
-            f"{type(model).__name__}'s weight files name its weights otherwise than its modules ({renames[0]}, ...): "
-            "the sharded reader and export read and write the modules' names only. Pass --model.load_weights now "
-            "(every rank reads the whole model before it is sharded) or train it under strategy zenflow_ddp."
-        )
-    weight_files(folder)  # a folder it cannot read fails here, before anything is allocated
+    plan = plan_folder(model, folder)  # the headers alone: every refusal comes before a weight is allocated
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     buffers = host_buffers(model)  # to_empty replaces them with uninitialised memory
@@ -60,7 +50,7 @@ def load_sharded(model: torch.nn.Module, folder: str, mesh: Any, device: torch.d
         model.tie_weights()
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             raise RuntimeError("the tied embeddings came apart when the shards were materialised")
-    load_rows(model, folder)
+    return load_rows(model, folder, plan)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

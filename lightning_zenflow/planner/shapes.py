@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_zenflow.engine.budget import MatrixShape, VectorShape
 from lightning_zenflow.engine.ranks import Ranks
+from lightning_zenflow.matrices import matrix_columns
 from lightning_zenflow.planner.activations import ATTENTION, register_planned
 from lightning_zenflow.planner.experts import Routing, routing_of
 from lightning_zenflow.planner.sizes import PlanError
@@ -38,6 +39,9 @@ class ParamShape:
     name: str
     shape: tuple[int, ...]
     trainable: bool = True
+    columns: int | None = None
+    """The columns of the engine's matrix view where not ``numel // shape[0]``: a stack of expert matrices
+    (``lightning_zenflow/matrices.py``)."""
 
     @property
     def numel(self) -> int:
@@ -92,7 +96,8 @@ class ModelShapes:
 
 def shapes_of(model: nn.Module, name: str | None = None) -> ModelShapes:
     """The parameters of ``model`` (any ``nn.Module``, a LightningModule included), tied ones once."""
-    params = [ParamShape(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    columns = matrix_columns(model)
+    params = [ParamShape(n, tuple(p.shape), p.requires_grad, columns.get(n)) for n, p in model.named_parameters()]
     if not params:
         raise PlanError(f"{type(model).__name__} has no parameters: nothing to plan.")
     blocks = []
@@ -201,7 +206,8 @@ def engine_shapes(
     """The trainable parameters as rank ``rank``'s engine sees them: ``"single"`` every row; ``"ddp"`` every row,
     the host state of its row block (``Ranks.own_rows``); ``"fsdp2"`` its row shard of every parameter
     (``Ranks.block_of``, torch.chunk's blocks as FSDP2 cuts them), the whole matrix's rows kept for the interim
-    moves' statistics."""
+    moves' statistics. A stack of expert matrices ``[E, out, in]`` is the matrix ``[E x out, in]`` (FSDP2 shards
+    whole experts)."""
     key = (weight_bytes, layout, world, rank)
     if key in shapes.cache:
         return shapes.cache[key]
@@ -216,6 +222,9 @@ def engine_shapes(
         if fsdp and param.shape:
             start, stop = _rows_of(rows, world, rank, "block_of")
             local_rows = stop - start
+        if param.columns is not None and len(param.shape) >= 2:
+            per_slice = rest // param.columns  # a stack of expert matrices: out rows per expert
+            rows, local_rows, rest = rows * per_slice, local_rows * per_slice, param.columns
         if len(param.shape) >= 2:
             start, stop = _rows_of(local_rows, world, rank, "own_rows", rows_local=fsdp)
             whole = rows if layout == "fsdp2" else None
