@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 
+from lightning_zenflow.engine import handoff
+
 
 def never_ready(conn, spec) -> None:
     time.sleep(60)
@@ -18,12 +20,12 @@ def says_hello(conn, spec) -> None:
 
 def answers_the_wrong_update(conn, spec) -> None:
     conn.send(("ready", os.getpid()))
-    _, seq, _slot, _jobs = conn.recv()
+    _, seq, _slot, _jobs = handoff.receive(conn)
     conn.send(("done", seq + 41, 0.0))
     time.sleep(60)
 
 
 def exits_on_update(conn, spec) -> None:
     conn.send(("ready", os.getpid()))
-    conn.recv()
+    handoff.receive(conn)
     conn.close()

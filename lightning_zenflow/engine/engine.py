@@ -78,8 +78,8 @@ class ZenFlowEngine(EngineLifecycle):
             (``ZenFlowAdamW``'s does).
         maximize_by_caller: accept ``maximize=True`` param groups: the caller negates their gradients before
             :meth:`step` (``ZenFlowAdamW.step`` does); otherwise they are refused.
-        row_offsets, matrix_columns: FSDP2's local rows' start per matrix name; a matrix view's columns per name where
-            not ``numel // shape[0]`` (``[E, out, in]`` experts are ``[E x out, in]``: ``lightning_zenflow/matrices.py``).
+        row_offsets, matrix_columns: FSDP2's local rows' start per matrix name; a matrix view's columns per name
+            where not ``numel // shape[0]`` (experts ``[E, out, in]`` are ``[E x out, in]``: ``matrices.py``).
     """
 
     # ------------------------------------------------------------------------------------------------ the step

@@ -41,6 +41,7 @@ from typing import NoReturn
 import torch
 
 import lightning_zenflow.engine.spares as spares
+from lightning_zenflow.engine import handoff
 from lightning_zenflow.engine.host_step import (
     UNPACK_SCRATCH_ELEMENTS,
     GroupJob,
@@ -166,7 +167,7 @@ def _serve(
         while True:
             # blocks until the main process sends the next command (or closes the pipe)
             try:
-                command = conn.recv()
+                command = handoff.receive(conn)
             except EOFError:
                 return None
             if command[0] == "stop":
@@ -222,7 +223,7 @@ def _wait_for_adoption(conn: multiprocessing.connection.Connection) -> WorkerSpe
     """A spare: block until the next engine in the main process adopts this worker (its spec), or it is stopped."""
     while True:
         try:
-            command = conn.recv()
+            command = handoff.receive(conn)
         except EOFError:
             return None
         if command[0] == "adopt":
@@ -275,7 +276,7 @@ class HostWorker:
                 # the spec follows through the pipe (an adoption, as a spare gets it): the child's start-up
                 # arguments would keep its shared blocks mapped for the life of the process
                 self._spawn(None, worker_main)
-                self._conn.send(("adopt", spec))
+                handoff.send(self._conn, ("adopt", spec))
             else:
                 self._spawn(spec, target)
         # start-up imports torch in the child (seconds): wait for its "ready", bounded
@@ -325,7 +326,7 @@ class HostWorker:
         if not self._process.is_alive():
             return False
         try:
-            self._conn.send(("release",))
+            handoff.send(self._conn, ("release",))
             message = self._receive(10.0)
         except (OSError, HostWorkerError):
             return False
@@ -348,7 +349,7 @@ class HostWorker:
             raise HostWorkerError("internal error: window rows attached while a host update is in flight.")
         self._check_alive()
         try:
-            self._conn.send(("attach", [list(rows) for rows in windows]))
+            handoff.send(self._conn, ("attach", [list(rows) for rows in windows]))
         except OSError as error:
             self._raise_dead(error)
         message = self._receive(None)
@@ -362,7 +363,7 @@ class HostWorker:
             raise HostWorkerError("internal error: waited for the builds while a host update is in flight.")
         self._check_alive()
         try:
-            self._conn.send(("builds",))
+            handoff.send(self._conn, ("builds",))
         except OSError as error:
             self._raise_dead(error)
         message = self._receive(None)
@@ -375,7 +376,7 @@ class HostWorker:
         self._seq += 1
         self._check_alive()
         try:
-            self._conn.send(("update", self._seq, slot, list(jobs)))
+            handoff.send(self._conn, ("update", self._seq, slot, list(jobs)))
         except OSError as error:
             self._raise_dead(error)
         self._in_flight = self._seq
@@ -454,7 +455,7 @@ class HostWorker:
             return
         if process.is_alive():
             with contextlib.suppress(OSError, ValueError):
-                self._conn.send(("stop",))
+                handoff.send(self._conn, ("stop",))
             # process join: give it time to finish an update and exit on its own
             process.join(timeout_s)
         if process.is_alive():

@@ -30,6 +30,8 @@ import os
 import signal
 from collections.abc import Sequence
 
+from lightning_zenflow.engine import handoff
+
 MAX_SPARES = 2
 _spares: list[tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]] = []
 _wanted: bool | None = None
@@ -86,7 +88,7 @@ def adopt(command: tuple) -> tuple[multiprocessing.process.BaseProcess, multipro
         try:
             if not process.is_alive():
                 raise OSError("the spare exited")
-            conn.send(command)
+            handoff.send(conn, command)
         except (OSError, ValueError):
             _stop(process, conn)
             continue
@@ -107,7 +109,7 @@ def stop_spare_workers() -> None:
 
 def _stop(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection) -> None:
     with contextlib.suppress(OSError, ValueError):
-        conn.send(("stop",))
+        handoff.send(conn, ("stop",))
     process.join(2.0)  # process join: a spare exits as soon as it reads "stop"
     if process.is_alive():
         process.kill()
