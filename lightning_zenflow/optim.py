@@ -53,6 +53,7 @@ import torch
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import ZenFlowEngine
 from lightning_zenflow.engine.notices import notice_once
+from lightning_zenflow.engine.prestart import prestart_worker
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.matrices import matrix_columns
 from lightning_zenflow.optim_state import (
@@ -158,6 +159,7 @@ class ZenFlowAdamW(torch.optim.AdamW):
         self._zenflow = _FacadeState(config=config, ranks=ranks, steps_per_epoch=steps_per_epoch)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize, **options)
         self._zenflow.columns = _expert_columns(self.param_groups, model, config)
+        prestart_worker()  # its start overlaps the program's work until the first step adopts it
 
     # ------------------------------------------------------------------------------------------ the engine
     @property

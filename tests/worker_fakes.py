@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from lightning_zenflow.engine import handoff
+import lightning_zenflow.engine.handoff as handoff
 
 
 def never_ready(conn, spec) -> None:

@@ -40,8 +40,8 @@ from typing import NoReturn
 
 import torch
 
+import lightning_zenflow.engine.handoff as handoff
 import lightning_zenflow.engine.spares as spares
-from lightning_zenflow.engine import handoff
 from lightning_zenflow.engine.host_step import (
     UNPACK_SCRATCH_ELEMENTS,
     GroupJob,
@@ -232,6 +232,29 @@ def _wait_for_adoption(conn: multiprocessing.connection.Connection) -> WorkerSpe
             return None
 
 
+def spawn_process(
+    target: Callable[[multiprocessing.connection.Connection, WorkerSpec | None], None], spec: WorkerSpec | None
+) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]:
+    """Start a worker process running ``target(conn, spec)`` (spawned, or forked from the fork server once
+    ``spares.start_workers_preloaded`` opted in); its process and this end of its pipe."""
+    ctx = torch.multiprocessing.get_context(spares.start_method())
+    conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=target, args=(child_conn, spec), name="zenflow-host", daemon=True)
+    # the child inherits the environment at start: tell the package's __init__ to skip importing Lightning
+    previous = os.environ.get(WORKER_ENV)
+    os.environ[WORKER_ENV] = "1"
+    try:
+        with _without_user_main():
+            process.start()
+    finally:
+        if previous is None:
+            os.environ.pop(WORKER_ENV, None)
+        else:
+            os.environ[WORKER_ENV] = previous
+    child_conn.close()
+    return process, conn
+
+
 @contextlib.contextmanager
 def _without_user_main() -> Iterator[None]:
     """Start the worker from this module alone, never from the user's script.
@@ -260,9 +283,12 @@ class HostWorker:
         timeout_s: float,
         start_timeout_s: float = 120.0,
         target: Callable[[multiprocessing.connection.Connection, WorkerSpec], None] | None = None,
+        wait_ready: bool = True,
     ) -> None:
-        """Spawn the worker and wait for its "ready". ``target``: test hook, another entry point (a module-level
-        function) to exercise the protocol's error paths."""
+        """Spawn the worker (or adopt a spare) and wait for its "ready": at once, or (``wait_ready=False``, the
+        engine's way) at its first use, so that its start (a new interpreter importing torch, about a second) overlaps
+        the training's first steps. ``target``: test hook, another entry point (a module-level function) to exercise
+        the protocol's error paths."""
         self._timeout_s = timeout_s
         self._seq = 0
         self._in_flight: int | None = None
@@ -279,37 +305,33 @@ class HostWorker:
                 handoff.send(self._conn, ("adopt", spec))
             else:
                 self._spawn(spec, target)
-        # start-up imports torch in the child (seconds): wait for its "ready", bounded
+        self.pid: int = self._process.pid
+        self._ready = False
+        self._start_deadline = time.monotonic() + start_timeout_s
+        self._start_timeout_s = start_timeout_s
+        if wait_ready:
+            self._ensure_ready()
+
+    def _ensure_ready(self) -> None:
+        """Wait (bounded by the start-up timeout) for the worker's "ready", once: its start-up imports torch."""
+        if self._ready:
+            return
         try:
-            message = self._receive(start_timeout_s)
+            message = self._receive(max(0.0, self._start_deadline - time.monotonic()), self._start_timeout_s)
             if message[0] != "ready":
                 raise HostWorkerError(f"host worker sent {message[0]!r} instead of 'ready' at start-up.")
         except BaseException:
             self.close()  # a worker that failed to start is stopped, never left behind
             raise
+        self._ready = True
         self._heartbeat[0] = time.monotonic()  # start-up is over: from now on the worker's own beat counts
-        self.pid: int = message[1]
 
     def _spawn(
         self,
         spec: WorkerSpec | None,
         target: Callable[[multiprocessing.connection.Connection, WorkerSpec], None],
     ) -> None:
-        ctx = torch.multiprocessing.get_context(spares.start_method())
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=target, args=(child_conn, spec), name="zenflow-host", daemon=True)
-        # the child inherits the environment at start: tell the package's __init__ to skip importing Lightning
-        previous = os.environ.get(WORKER_ENV)
-        os.environ[WORKER_ENV] = "1"
-        try:
-            with _without_user_main():
-                self._process.start()
-        finally:
-            if previous is None:
-                os.environ.pop(WORKER_ENV, None)
-            else:
-                os.environ[WORKER_ENV] = previous
-        child_conn.close()
+        self._process, self._conn = spawn_process(target, spec)
 
     def _adopt_spare(self, spec: WorkerSpec) -> bool:
         """Take a spare worker (``engine/spares.py``), handing it this engine's spec; False if none is kept."""
@@ -326,6 +348,7 @@ class HostWorker:
         if not self._process.is_alive():
             return False
         try:
+            self._ensure_ready()
             handoff.send(self._conn, ("release",))
             message = self._receive(10.0)
         except (OSError, HostWorkerError):
@@ -347,6 +370,7 @@ class HostWorker:
         """Hand the worker new window rows (per group), with nothing in flight; waits for its answer."""
         if self._in_flight is not None:
             raise HostWorkerError("internal error: window rows attached while a host update is in flight.")
+        self._ensure_ready()
         self._check_alive()
         try:
             handoff.send(self._conn, ("attach", [list(rows) for rows in windows]))
@@ -361,6 +385,7 @@ class HostWorker:
         more time per update), with nothing in flight. A benchmark calls it before it measures."""
         if self._in_flight is not None:
             raise HostWorkerError("internal error: waited for the builds while a host update is in flight.")
+        self._ensure_ready()
         self._check_alive()
         try:
             handoff.send(self._conn, ("builds",))
@@ -373,6 +398,7 @@ class HostWorker:
     def submit(self, slot: int, jobs: Sequence[GroupJob]) -> None:
         if self._in_flight is not None:
             raise HostWorkerError("a host update is already in flight; wait for it before submitting another.")
+        self._ensure_ready()
         self._seq += 1
         self._check_alive()
         try:
@@ -414,7 +440,7 @@ class HostWorker:
                 "last checkpoint."
             )
 
-    def _receive(self, budget_s: float | None) -> tuple:
+    def _receive(self, budget_s: float | None, start_timeout_s: float | None = None) -> tuple:
         deadline = None if budget_s is None else time.monotonic() + budget_s
         # a pipe wait in short slices, checking between slices that the worker is alive and beating
         while not self._conn.poll(_POLL_S):
@@ -426,7 +452,7 @@ class HostWorker:
                     f"(worker_timeout_s={self._timeout_s}); it is stopped or frozen."
                 )
             if deadline is not None and time.monotonic() > deadline:
-                raise HostWorkerError(f"the host worker did not start within {budget_s:.0f} s.")
+                raise HostWorkerError(f"the host worker did not start within {start_timeout_s or budget_s:.0f} s.")
         try:
             return self._conn.recv()
         except (EOFError, OSError) as error:

@@ -169,4 +169,5 @@ def start_worker(
         delay_s=stage_delays.get("worker", 0.0),
         fail_at_update=fail_at_update,
     )
-    return HostWorker(spec, timeout_s=config.worker_timeout_s)
+    # its "ready" is awaited at its first use: the worker's start overlaps the warm-up's steps
+    return HostWorker(spec, timeout_s=config.worker_timeout_s, wait_ready=False)

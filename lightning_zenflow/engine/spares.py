@@ -30,10 +30,13 @@ import os
 import signal
 from collections.abc import Sequence
 
-from lightning_zenflow.engine import handoff
+import lightning_zenflow.engine.handoff as handoff
 
 MAX_SPARES = 2
 _spares: list[tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection]] = []
+_prestarted: set[int] = set()
+"""The pids of spares started ahead of any engine (``host.prestart_worker``): adopted even while the program has not
+decided on spares (a plain loop's first engine takes the worker started for it)."""
 _wanted: bool | None = None
 """Whether closed engines' workers are kept: None until the program (or the Lightning strategy) decides."""
 _preloaded = False
@@ -76,15 +79,32 @@ def wanted() -> bool:
     return bool(_wanted) and len(_spares) < MAX_SPARES
 
 
-def keep(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection) -> None:
-    """A released worker (it answered ``released``) becomes a spare."""
+def keep(
+    process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection, prestarted: bool = False
+) -> None:
+    """A released worker (it answered ``released``), or one started ahead of its engine (``prestarted``), becomes a
+    spare."""
     _spares.append((process, conn))
+    if prestarted and process.pid is not None:
+        _prestarted.add(process.pid)
+
+
+def may_prestart() -> bool:
+    """Whether a worker may be started ahead of its engine: the program has not turned spares off, no spare waits
+    already, and this is a main program (not a host worker, not a child of another process)."""
+    return (
+        _wanted is not False
+        and not _spares
+        and os.environ.get("LIGHTNING_ZENFLOW_HOST_WORKER") != "1"
+        and multiprocessing.parent_process() is None
+    )
 
 
 def adopt(command: tuple) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.connection.Connection] | None:
     """Send ``command`` (the adoption, with the new engine's spec) to a live spare and return it; None if none."""
-    while bool(_wanted) and _spares:
+    while _spares and (bool(_wanted) or _spares[-1][0].pid in _prestarted):
         process, conn = _spares.pop()
+        _prestarted.discard(process.pid)
         try:
             if not process.is_alive():
                 raise OSError("the spare exited")
@@ -105,6 +125,7 @@ def stop_spare_workers() -> None:
     """Stop every spare worker (also at interpreter exit)."""
     while _spares:
         _stop(*_spares.pop())
+    _prestarted.clear()
 
 
 def _stop(process: multiprocessing.process.BaseProcess, conn: multiprocessing.connection.Connection) -> None:

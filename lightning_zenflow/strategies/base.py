@@ -28,6 +28,7 @@ from lightning_zenflow.checkpoints.hooks import CheckpointHooks
 from lightning_zenflow.config import ZenFlowConfig
 from lightning_zenflow.engine import UnsupportedSetupError, ZenFlowEngine, spares
 from lightning_zenflow.engine.optimizers import SUPPORTED_OPTIMIZERS, check_optimizer
+from lightning_zenflow.engine.prestart import prestart_worker
 from lightning_zenflow.engine.ranks import Ranks
 from lightning_zenflow.matrices import matrix_columns
 from lightning_zenflow.strategies.boundaries import SyncBoundaries as _SyncBoundaries
@@ -64,6 +65,9 @@ class ZenFlowStrategyBase(CheckpointHooks):
     def _init_zenflow(self, knobs: Mapping[str, Any]) -> None:
         # validated here, before any Trainer exists: a bad knob fails at construction with the fix named
         self.zenflow_config = ZenFlowConfig(**knobs)
+        # the host worker's start (a new interpreter importing torch, about a second) overlaps the Trainer's and the
+        # model's construction and the fit's set-up: the fit's engine adopts it (the strategy itself holds nothing)
+        prestart_worker()
         self.engine: ZenFlowEngine | None = None
         # after fit: (torch state or None, engine state, matrix shapes or None), for trainer.save_checkpoint
         self._final_state: tuple[dict | None, dict, dict | None] | None = None
