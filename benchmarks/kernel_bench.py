@@ -11,7 +11,11 @@ layers) and thread count:
   says which);
 - ``worker``: the same update through a spawned ``HostWorker`` (its reported compute time, and submit-to-answer wall
   time, pipe included);
+- ``native``: the same update with the step functions swapped for the native library's (``lightning_zenflow/native``:
+  C++ built on first use, AVX-512 or AVX2, bit for bit the eager step): what the engine runs once it takes them;
 - ``fused AdamW``: ``torch.optim.AdamW(fused=True).step()`` on fp32 parameters of the same sizes: the yardstick;
+- ``DeepSpeedCPUAdam``: DeepSpeed's CPU Adam (AdamW mode) on the same fp32 parameters, where ``deepspeed`` is installed
+  (an optional extra; the row says why it is missing otherwise);
 - ``copy``: ``dst.copy_(src)`` of a large fp32 tensor, the machine's copy bandwidth in the same run; and ``add_``:
   ``dst.add_(src)``, an in-place stream like AdamW's (read both, write ``dst`` back; no write-allocate traffic).
 
@@ -22,8 +26,12 @@ Bytes counted per parameter (what each kernel must move at least once):
 - fused AdamW: reads master, grad, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq: 28 B;
 - copy: 8 B per fp32 element (read 4, write 4); add_: 12 B (read 4 + 4, write 4).
 
-The ratio to fused AdamW compares parameters per second on the same cores (target >= 1.2 for the default bf16 state:
-it moves less than half the bytes); the fractions of copy and add_ bandwidth compare bytes per second.
+The ratio to fused AdamW compares parameters per second on the same cores (target >= 1.2 for the engine's default bf16
+state: it moves less than half the bytes; >= 1.5 for the native step); the fractions of copy and add_ bandwidth compare
+bytes per second. ``limit`` is the memory's limit for the engine's bytes, this run's ``add_`` bandwidth (same threads)
+over the bytes per parameter: how far the native step is from being bound by memory alone. The rows are timed in turns
+(a round calls each once), and on one thread the native ratio is also given from the thread's CPU time (``by CPU
+time``): on a machine shared with other work, wall time counts what the others took.
 
 Table 2, the host add of ``accumulate_on="host"`` (``HostAccumulation.add_staged``, what the helper thread runs per
 staged chunk into the packed accumulator), in elements per second against a plain contiguous fp32 ``acc.add_(src)``
@@ -32,10 +40,10 @@ of strided columns with ``alpha=1/S``, ATen's serial loop) on the same data.
 
 Table 3, the interim moves' passes (``engine/kernels.py``) over ``--moves-layers`` square ``--moves-width`` matrices
 (default four 2048 x 2048; eight 4096 x 4096 on a GPU), S = 4, median ms per step (one window of S steps is one
-statistics pass and S moves) against one fused AdamW step over the same matrices: compiled and eager, fp32 and bf16
-weights, the compiled ones also split into their move pass and their statistics pass. On the CPU they run on one core
-with one thread (the training process's share); with ``--device cuda`` only this table runs, on the GPU (the kernels
-Triton builds from the same source).
+statistics pass and S moves) against one fused AdamW step over the same matrices: compiled, native and eager, fp32
+and bf16 weights, the compiled and native ones also split into their move pass and their statistics pass. On the CPU
+they run on one core with one thread (the training process's share); with ``--device cuda`` only this table runs, on
+the GPU (the kernels Triton builds from the same source).
 
     python benchmarks/kernel_bench.py                     # 1M, 16M, 64M parameters; 1 and 2 threads; bf16 state
     python benchmarks/kernel_bench.py --host-state fp32   # the exact state
@@ -71,9 +79,11 @@ from lightning_zenflow.engine.host import (
 )
 from lightning_zenflow.engine.interim import MatrixStatistics, derive_scales, update_statistics
 from lightning_zenflow.engine.kernels import Kernels, compiler_missing, resolve_kernel_mode
+from lightning_zenflow.native import native_kernels, native_unavailable
 
 DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "kernel_bench.json"
 TARGET_RATIO = 1.2
+NATIVE_TARGET_RATIO = 1.5
 
 HPARAMS = HyperParams(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
 STATE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -87,7 +97,6 @@ STEP_COLUMNS = {
     "worker_compute_s": ("worker ms", 1e3),
     "worker_wall_s": ("worker wall ms", 1e3),
     "fused_adamw_s": ("AdamW ms", 1e3),
-    "fused_adamw_gb_per_s": ("AdamW GB/s", 1),
     "ratio_to_fused_adamw": ("engine/AdamW", 1),
     "copy_gb_per_s": ("copy GB/s", 1),
     "engine_fraction_of_copy_bandwidth": ("engine/copy", 1),
@@ -95,6 +104,18 @@ STEP_COLUMNS = {
     "engine_fraction_of_add_bandwidth": ("engine/add_", 1),
 }
 """Table 1's columns: the record's key, its header and the scale it is printed at."""
+NATIVE_COLUMNS = {
+    "threads": ("threads", 1),
+    "fused_adamw_params_per_s": ("AdamW Mparam/s", 1e-6),
+    "native_params_per_s": ("native Mparam/s", 1e-6),
+    "native_ratio_to_fused_adamw": ("native/AdamW", 1),
+    "native_cpu_ratio_to_fused_adamw": ("by CPU time", 1),
+    "memory_limit_params_per_s": ("limit Mparam/s", 1e-6),
+    "native_fraction_of_memory_limit": ("native/limit", 1),
+    "deepspeed_params_per_s": ("DS CPUAdam Mparam/s", 1e-6),
+    "engine_params_per_s": ("engine Mparam/s", 1e-6),
+}
+"""Table 1b: the native step beside fused AdamW, the memory's limit for its bytes and DeepSpeed's CPU Adam."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,6 +178,28 @@ def time_median(fn: Callable[[], Any], repeats: int, prepare: Callable[[], None]
     return bench_utils.time_median(fn, repeats, warmups=2, prepare=prepare)
 
 
+def time_in_turns(
+    runs: dict[str, tuple[Callable[[], Any], Callable[[], None] | None]], repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall seconds and median CPU seconds of this thread for each ``(fn, prepare)``, the rows taken in turns
+    (one call of each per round, after two untimed rounds; ``prepare()`` untimed before each call): a change in the
+    machine's other load lands on every row alike. On one thread, every row runs on this thread: its CPU time leaves
+    out the time the machine's other users took (a shared machine's wall time does not)."""
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    for round_index in range(repeats + 2):
+        for name, (fn, prepare) in runs.items():
+            if prepare is not None:
+                prepare()
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            fn()
+            if round_index >= 2:
+                wall[name].append(time.perf_counter() - started)
+                cpu[name].append(time.thread_time() - started_cpu)
+    median = statistics.median
+    return {name: median(v) for name, v in wall.items()}, {name: median(v) for name, v in cpu.items()}
+
+
 class HostProblem:
     """One size: the engine's shared host rows with a job over all its matrices, and fused-AdamW tensors."""
 
@@ -181,6 +224,7 @@ class HostProblem:
         self.job = GroupJob(hparams=HPARAMS, active=tuple(range(len(sizes))), mean_divisors=(1.0,) * len(sizes))
         self.numel = numel
         self.kernels = StepKernels(resolve_kernel_mode("auto", torch.device("cpu"))[0])
+        self.native = native_step_kernels()
 
     def refill_grads(self) -> None:
         """Restore the window row: the previous update wrote its step over it."""
@@ -189,20 +233,50 @@ class HostProblem:
     def engine_step(self) -> None:
         host_adam_update(self.group, self.extents, 0, self.job, kernels=self.kernels)
 
+    def native_step(self) -> None:
+        host_adam_update(self.group, self.extents, 0, self.job, kernels=self.native)
+
     def fused_adamw(self) -> torch.optim.AdamW:
-        params = []
-        for extent in self.extents:
-            param = self.master[extent.offset : extent.offset + extent.numel].clone()
-            param.grad = self.grad_source[extent.offset : extent.offset + extent.numel].float()
-            params.append(param)
         return torch.optim.AdamW(
-            params,
+            self.fp32_params(),
             lr=HPARAMS.lr,
             betas=(HPARAMS.beta1, HPARAMS.beta2),
             eps=HPARAMS.eps,
             weight_decay=HPARAMS.weight_decay,
             fused=True,
         )
+
+    def deepspeed_adam(self) -> tuple[torch.optim.Optimizer | None, str | None]:
+        """DeepSpeed's CPU Adam in AdamW mode on fp32 parameters like fused AdamW's, or why there is none."""
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+        except ImportError as error:
+            return None, f"deepspeed is not installed ({error}); pip install deepspeed adds the row"
+        try:
+            hp = HPARAMS
+            adam = DeepSpeedCPUAdam(self.fp32_params(), lr=hp.lr, betas=(hp.beta1, hp.beta2), eps=hp.eps,
+                                    weight_decay=hp.weight_decay, adamw_mode=True)  # fmt: skip
+        except Exception as error:  # its op builder compiles on first use: say why it failed
+            return None, f"DeepSpeedCPUAdam could not be built here ({type(error).__name__}: {error})"
+        return adam, None
+
+    def fp32_params(self) -> list[torch.Tensor]:
+        params = []
+        for extent in self.extents:
+            param = self.master[extent.offset : extent.offset + extent.numel].clone()
+            param.grad = self.grad_source[extent.offset : extent.offset + extent.numel].float()
+            params.append(param)
+        return params
+
+
+def native_step_kernels() -> StepKernels | None:
+    """The engine's step functions swapped for the native library's (None, and why once, where it is unavailable)."""
+    native = native_kernels()
+    if native is None:
+        return None
+    kernels = StepKernels("eager")
+    kernels.step_, kernels.master_step_ = native.adam_step_, native.adam_master_step_
+    return kernels
 
 
 def stream_bandwidth(megabytes: int, threads: int, cores: list[int], repeats: int) -> tuple[float, float]:
@@ -298,15 +372,26 @@ def host_tables(args: argparse.Namespace) -> dict[str, Any]:
     copy_gbps = {threads: copy for threads, (copy, _) in bandwidth.items()}
     add_gbps = {threads: add for threads, (_, add) in bandwidth.items()}
 
-    rows, records = [], []
+    native = native_kernels()
+    native_note = native_unavailable() or f"variant {native.variant}, first build {_seconds(native.build_seconds)}"
+    print(f"native step: {native_note}")
+    rows, native_rows, records = [], [], []
+    deepspeed_reason = None
     for size in args.sizes:
         problem = HostProblem(int(size * 1e6), chunk, state_dtype)
         numel = problem.numel
         optimizer = problem.fused_adamw()
+        deepspeed, deepspeed_reason = problem.deepspeed_adam()
         for threads in args.threads:
             with bench_utils.pinned(cores[:threads], threads):
-                engine_s = time_median(problem.engine_step, args.repeats, prepare=problem.refill_grads)
-                adamw_s = time_median(optimizer.step, args.repeats)
+                runs = {"engine": (problem.engine_step, problem.refill_grads), "adamw": (optimizer.step, None)}
+                if problem.native is not None:
+                    runs["native"] = (problem.native_step, problem.refill_grads)
+                if deepspeed is not None:
+                    runs["deepspeed"] = (deepspeed.step, None)
+                seconds, cpu_seconds = time_in_turns(runs, args.repeats)
+            engine_s, adamw_s = seconds["engine"], seconds["adamw"]
+            native_s, deepspeed_s = seconds.get("native"), seconds.get("deepspeed")
             worker_compute_s = worker_wall_s = None
             # --quick spawns one worker only (the smallest size): a spawn costs seconds
             if not args.no_worker and not (args.quick and size != args.sizes[0]):
@@ -326,6 +411,17 @@ def host_tables(args: argparse.Namespace) -> dict[str, Any]:
                 "fused_adamw_params_per_s": numel / adamw_s,
                 "fused_adamw_gb_per_s": gb_per_s["fused_adamw"],
                 "ratio_to_fused_adamw": adamw_s / engine_s,
+                "native_s": native_s,
+                "native_params_per_s": numel / native_s if native_s else None,
+                "native_ratio_to_fused_adamw": adamw_s / native_s if native_s else None,
+                "native_cpu_ratio_to_fused_adamw": (
+                    cpu_seconds["adamw"] / cpu_seconds["native"] if native_s and threads == 1 else None
+                ),
+                "memory_limit_params_per_s": add_gbps[threads] * 1e9 / engine_bytes_per_param,
+                "native_fraction_of_memory_limit": (
+                    numel / native_s / (add_gbps[threads] * 1e9 / engine_bytes_per_param) if native_s else None
+                ),
+                "deepspeed_params_per_s": numel / deepspeed_s if deepspeed_s else None,
                 "copy_gb_per_s": copy_gbps[threads],
                 "engine_fraction_of_copy_bandwidth": gb_per_s["engine"] / copy_gbps[threads],
                 "fused_adamw_fraction_of_copy_bandwidth": gb_per_s["fused_adamw"] / copy_gbps[threads],
@@ -335,8 +431,12 @@ def host_tables(args: argparse.Namespace) -> dict[str, Any]:
             records.append(record)
             row = [scale * (record[key] or math.nan) for key, (_, scale) in STEP_COLUMNS.items()]
             rows.append([f"{size:g}M", *row])
-            print(f"  {size:g}M params, {threads} thread(s): engine {engine_s * 1e3:.1f}, AdamW {adamw_s * 1e3:.1f} ms")
-        del problem, optimizer
+            row = [scale * (record[key] or math.nan) for key, (_, scale) in NATIVE_COLUMNS.items()]
+            native_rows.append([f"{size:g}M", *row])
+            native_ms = f", native {native_s * 1e3:.1f}" if native_s else ""
+            print(f"  {size:g}M params, {threads} thread(s): engine {engine_s * 1e3:.1f}{native_ms}, ", end="")
+            print(f"AdamW {adamw_s * 1e3:.1f} ms")
+        del problem, optimizer, deepspeed
         gc.collect()
 
     bench_utils.print_table("\nHost AdamW throughput", ["size", *(name for name, _ in STEP_COLUMNS.values())], rows)
@@ -347,6 +447,21 @@ def host_tables(args: argparse.Namespace) -> dict[str, Any]:
         "engine/copy, engine/add_ = engine GB/s / copy or add_ GB/s (same thread count). worker ms = compute time "
         "the worker reports; worker wall ms = submit to answer, pipe included."
     )
+    title = f"\nHost AdamW step: native against fused AdamW, the memory's limit at {engine_bytes_per_param} B"
+    bench_utils.print_table(title, ["size", *(name for name, _ in NATIVE_COLUMNS.values())], native_rows)
+    native_ratios = [r["native_ratio_to_fused_adamw"] for r in records if r["native_ratio_to_fused_adamw"]]
+    if native_ratios:
+        lowest = min(native_ratios)
+        print(
+            f"native/AdamW target >= {NATIVE_TARGET_RATIO}: lowest {lowest:.2f} -> "
+            f"{'met' if lowest >= NATIVE_TARGET_RATIO else 'NOT met'}; by CPU time = the same ratio from this thread's "
+            "CPU time (one thread: what the machine's other users took is left out); limit = add_ GB/s / "
+            f"{engine_bytes_per_param} B (the memory's limit for the engine's bytes); native/limit = how close the "
+            "native step runs to it."
+        )
+    else:
+        print(f"native: no row ({native_unavailable()})")
+    print(f"DS CPUAdam: {deepspeed_reason or 'DeepSpeedCPUAdam, AdamW mode, fp32 state (28 B)'}")
     add_rows, add_records = [], []
     for size in args.sizes:
         numel = int(size * 1e6)
@@ -375,6 +490,13 @@ def host_tables(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "host_state": args.host_state,
         "kernel_mode": kernel_mode,
+        "native": {
+            "variant": native.variant if native else None,
+            "unavailable": native_unavailable(),
+            "build_s": native.build_seconds if native else None,
+            "target_ratio_to_fused_adamw": NATIVE_TARGET_RATIO,
+        },
+        "deepspeed_missing": deepspeed_reason,
         "bytes_per_param": {
             "engine": engine_bytes_per_param,
             "fused_adamw": adamw_bytes_per_param,
@@ -414,8 +536,17 @@ def pass_times(args: argparse.Namespace, device: torch.device) -> dict[str, floa
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         results["fused AdamW step"] = timed(torch.optim.AdamW(params, lr=1e-4, fused=True).step)
-        for mode in ("compiled", "eager") if compiler_missing(device) is None else ("eager",):
-            kernels = Kernels(mode, device)
+        modes = (["compiled"] if compiler_missing(device) is None else []) + (
+            ["eager"] if cuda else ["native", "eager"]
+        )
+        for mode in modes:
+            kernels = Kernels("eager" if mode == "native" else mode, device)
+            if mode == "native":
+                native = native_kernels()
+                if native is None:
+                    continue
+                kernels.moves_fp32_, kernels.moves_bf16_ = native.moves_fp32_, native.moves_bf16_
+                kernels.row_col_sums = native.row_col_sums
             for dtype in (torch.float32, torch.bfloat16):
                 if dtype == torch.bfloat16 and mode == "eager" and not args.quick and not cuda:
                     continue  # minutes of bf16 elementwise work on a CPU; the compiled row is the one used
@@ -448,10 +579,14 @@ def pass_times(args: argparse.Namespace, device: torch.device) -> dict[str, floa
 
                 label = f"moves {mode} {'fp32' if dtype == torch.float32 else 'bf16'}"
                 results[label] = timed(window, repeats=5) / interval
-                if mode == "compiled":  # the two parts of that mean
+                if mode != "eager":  # the two parts of that mean
                     results[f"{label}: the move pass"] = timed(moves)
                     results[f"{label}: the statistics pass (once a window)"] = timed(sums)
     return results
+
+
+def _seconds(value: float | None) -> str:
+    return "found in the cache" if value is None else f"{value:.1f} s"
 
 
 def _statistics(shape: tuple[int, int], unselected: torch.Tensor, device: torch.device) -> MatrixStatistics:

@@ -16,7 +16,7 @@ from lightning_zenflow.engine import compiled as compiled_module
 from lightning_zenflow.engine import kernels as kernels_module
 from lightning_zenflow.engine import resources
 from lightning_zenflow.engine.compiled import BUILD_OPTIONS, _kind_now, build_options, stand_ins
-from lightning_zenflow.engine.kernels import Kernels, landing_add_
+from lightning_zenflow.engine.kernels import KERNELS_ENV, Kernels, landing_add_
 from lightning_zenflow.engine.landing import landing_call_like
 
 CPU = torch.device("cpu")
@@ -50,7 +50,8 @@ def test_the_landing_is_built_with_a_step_shaped_like_the_weights_it_lands_in() 
 
 
 @needs_compiler
-def test_the_landing_built_as_the_cuda_path_builds_it_runs_the_lanes_call_with_eagers_bits() -> None:
+def test_the_landing_built_as_the_cuda_path_builds_it_runs_the_lanes_call_with_eagers_bits(monkeypatch) -> None:
+    monkeypatch.setenv(KERNELS_ENV, "inductor")  # torch.compile's build, as on CUDA (the CPU's are native otherwise)
     kernels = Kernels("compiled", CPU)
     weights = torch.randn(40, 24).bfloat16()
     step = torch.randn(40, 24) * 1e-3

@@ -1,6 +1,7 @@
-"""Building the compiled kernels: one graph per kernel and dtype whatever the learning rate or the matrix's shape (an
-lr schedule must not recompile until dynamo's limit and then run eagerly), and no crash when a kernel is built after
-a lane thread that built one has ended (``engine/cuda_guard.py``: torch 2.11 without a CUDA device)."""
+"""Building the kernels with torch.compile (CUDA's way; here on the CPU, ``LIGHTNING_ZENFLOW_KERNELS=inductor``): one
+graph per kernel and dtype whatever the learning rate or the matrix's shape (an lr schedule must not recompile until
+dynamo's limit and then run eagerly), and no crash when a kernel is built after a lane thread that built one has ended
+(``engine/cuda_guard.py``: torch 2.11 without a CUDA device)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ CPU = torch.device("cpu")
 needs_compiler = pytest.mark.skipif(
     kernels_module.compiler_missing(CPU) is not None, reason="no C++ compiler for torch.compile on this machine"
 )
+pytestmark = pytest.mark.slow  # torch.compile's builds, seconds each with an empty compile cache (the CUDA path's way)
+
+
+@pytest.fixture(autouse=True)
+def built_by_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These are torch.compile's builds (on a CPU the engine runs the native kernels otherwise)."""
+    monkeypatch.setenv(kernels_module.KERNELS_ENV, "inductor")
 
 
 def _moves(dtype: torch.dtype) -> Callable[[Kernels, float, tuple[int, int]], None]:

@@ -1,9 +1,11 @@
-"""The engine's kernels (``engine/kernels.py``, ``engine/host_step.py``) as ``engine/compiled.py`` builds them: every
-elementwise kernel compiled gives the eager function's bits (so an eager fallback changes no number), the compiled
-stochastic rounding is stochastic (inductor used to drop its ``bf16`` round trip and round to nearest), bf16's
-rounding keeps the expectation and is reproducible, a build is made once per kind whatever the learning rate or the
-shape, lanes never build and nothing touches the process's RNG or default dtype, a missing compiler or a failed
-build is handled as documented, and an engine with compiled kernels trains as the eager one does."""
+"""The engine's kernels (``engine/kernels.py``, ``engine/host_step.py``) fused two ways: ``lightning_zenflow/native``
+(a CPU's, the default) and ``torch.compile``'s ahead-of-time builds (``engine/compiled.py``: CUDA's way, here built
+for the CPU with ``LIGHTNING_ZENFLOW_KERNELS=inductor``). Every elementwise kernel gives the eager function's bits
+either way (so an eager fallback changes no number), the stochastic rounding is stochastic, keeps the expectation and
+is reproducible, a build is made once per kind whatever the learning rate or the shape, lanes never build and nothing
+touches the process's RNG or default dtype, a missing compiler or a failed build is handled as documented, and an
+engine with fused kernels trains as the eager one does. The builds of ``torch.compile`` take seconds each with an
+empty compile cache: one kind of each runs in the default tier, the rest in the slow tier."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from lightning_zenflow.engine.kernels import (
 )
 from lightning_zenflow.engine.notices import ZenFlowNotice
 from lightning_zenflow.engine.rounding import PURPOSE_ACCUMULATE, bits_table, offset_of
+from lightning_zenflow.native import native_kernels, native_unavailable
 
 pytestmark = pytest.mark.usefixtures("no_leaked_children")
 
@@ -43,11 +46,30 @@ needs_compiler = pytest.mark.skipif(
     kernels_module.compiler_missing(CPU) is not None or compiled_module.aot_available() is not None,
     reason="no C++ compiler for torch.compile, or no ahead-of-time builds in this torch",
 )
+needs_native = pytest.mark.skipif(native_kernels() is None, reason=f"no native kernels: {native_unavailable()}")
+SLOW = pytest.mark.slow  # torch.compile's builds (seconds each with an empty compile cache, as in CI)
+BACKENDS = [pytest.param("native", marks=needs_native), pytest.param("inductor", marks=[needs_compiler, SLOW])]
+"""The fused kernels' two builds: the native library, and torch.compile's (the CUDA path's way) in the slow tier."""
+
+
+def _fused(backend: str) -> Kernels:
+    """``interim_kernel="compiled"`` on the CPU: the native library, or (``"inductor"``) torch.compile's builds."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KERNELS_ENV, "inductor" if backend == "inductor" else "compiled")
+        kernels = Kernels("compiled", CPU)
+    assert (kernels.native is not None) == (backend == "native")
+    return kernels
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def fused(request: pytest.FixtureRequest) -> Kernels:
+    return _fused(request.param)
 
 
 @pytest.fixture(scope="module")
 def compiled() -> Kernels:
-    return Kernels("compiled", CPU)
+    """torch.compile's builds on the CPU (the CUDA path's way of building)."""
+    return _fused("inductor")
 
 
 def _awkward(shape: tuple[int, ...], generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -145,16 +167,15 @@ ELEMENTWISE = {
 }
 
 
-@needs_compiler
 @pytest.mark.parametrize("name", list(ELEMENTWISE))
 @pytest.mark.parametrize("shape", [(37, 11), (64, 48)], ids=str)
-def test_every_elementwise_kernel_compiled_gives_the_eager_bits(compiled: Kernels, name: str, shape: tuple) -> None:
+def test_every_elementwise_kernel_fused_gives_the_eager_bits(fused: Kernels, name: str, shape: tuple) -> None:
     """Bit for bit, awkward values included: a call that no build accepts runs eagerly and changes no number."""
     run = ELEMENTWISE[name]
     x = _inputs(*shape, seed=len(name))
-    eager_calls = compiled.eager_calls
-    got, expected = run(compiled, x), run(Kernels("eager", CPU), x)
-    assert compiled.eager_calls == eager_calls  # the builds ran, not the eager fallback
+    eager_calls = fused.eager_calls
+    got, expected = run(fused, x), run(Kernels("eager", CPU), x)
+    assert fused.eager_calls == eager_calls  # the fused kernels ran, not the eager fallback
     for a, b in zip(got, expected):
         assert a.dtype == b.dtype
         assert torch.equal(_bits(a), _bits(b)), name
@@ -165,8 +186,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
 
 
-@needs_compiler
-def test_the_compiled_window_sum_rounds_stochastically(compiled: Kernels) -> None:
+def test_the_fused_window_sum_rounds_stochastically(fused: Kernels) -> None:
     """A quarter of a bf16 step added at every step: rounded to nearest (what the compiled kernel did while inductor
     dropped the round trip) the sum would never leave 1.0; stochastically it keeps the expectation."""
     rows, cols = 200, 100
@@ -175,26 +195,26 @@ def test_the_compiled_window_sum_rounds_stochastically(compiled: Kernels) -> Non
     row_r, col_r = bits_table(1, 0, rows), bits_table(2, 0, cols)
     for step in range(8):
         offset = torch.tensor(offset_of(12345, PURPOSE_ACCUMULATE, step), dtype=torch.int32)
-        compiled.accumulate_bf16_(acc, quarter, row_r, col_r, offset, False)
+        fused.accumulate_bf16_(acc, quarter, row_r, col_r, offset, False)
     assert acc.float().mean().item() == pytest.approx(1.0 + 8 * 2.0**-7 / 4.0, rel=3e-4)
 
 
-@needs_compiler
-@pytest.mark.parametrize("shape", [(37, 11), (64, 48), (8, 40)], ids=str)  # tiles with a rest, whole tiles, no tiles
-def test_compiled_sums_equal_eager_to_rounding(compiled: Kernels, shape: tuple[int, int]) -> None:
-    """The statistics' sums add in another order when compiled: equal to float rounding, exact zeros in the selected
+@pytest.mark.parametrize("shape", [(37, 11), (64, 48), (8, 40)], ids=str)
+def test_fused_sums_equal_eager_to_rounding(fused: Kernels, shape: tuple[int, int]) -> None:
+    """The statistics' sums add in another order when fused: equal to float rounding, exact zeros in the selected
     columns, and the same bits at every call."""
     eager = Kernels("eager", CPU)
     x = _inputs(*shape)
-    got = compiled.row_col_sums(x["grad"], x["mask"])
+    got = fused.row_col_sums(x["grad"], x["mask"])
     for a, b in zip(got, eager.row_col_sums(x["grad"], x["mask"])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
     assert bool((got[1][x["mask"] == 0] == 0).all())
-    again = compiled.row_col_sums(x["grad"], x["mask"])
+    again = fused.row_col_sums(x["grad"], x["mask"])
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 @needs_compiler
+@SLOW
 def test_a_new_lr_or_shape_builds_nothing_new(compiled: Kernels) -> None:
     """One build per kernel and kind of call: a learning-rate schedule, another matrix shape or a row block at an
     offset runs the same build (and not eagerly)."""
@@ -213,10 +233,11 @@ def test_a_new_lr_or_shape_builds_nothing_new(compiled: Kernels) -> None:
 
 
 @needs_compiler
+@SLOW
 def test_a_thread_that_does_not_own_the_builds_never_builds(compiled: Kernels) -> None:
     """A lane's call of a kind with no build runs eagerly (the same bits) and builds nothing; the owner's call builds;
     a reduction called on a lane before its build was prepared is refused (its eager sums round differently)."""
-    kernels = Kernels("compiled", CPU)
+    kernels = _fused("inductor")
     x = _inputs(30, 20, seed=2)
     results = {}
 
@@ -273,11 +294,11 @@ def test_bf16_moves_below_half_a_step_add_up_in_expectation() -> None:
 
 def test_a_missing_compiler_warns_under_auto_and_is_refused_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(KERNELS_ENV, raising=False)
-    monkeypatch.setattr(kernels_module, "compiler_missing", lambda device: "no C++ compiler on PATH (install g++)")
+    monkeypatch.setattr(kernels_module, "native_compiler_missing", lambda: "no C++ compiler on PATH (install g++)")
     monkeypatch.setattr(kernels_module, "_WARNED", set())
     with pytest.warns(UserWarning, match="run eagerly.*no C\\+\\+ compiler.*interim_kernel='eager'"):
-        assert Kernels("auto", CPU).mode == "eager"
-    with pytest.raises(UnsupportedSetupError, match="interim_kernel='compiled' needs torch.compile.*'eager'"):
+        assert Kernels("auto", CPU, elements=AUTO_COMPILE_MIN_ELEMENTS).mode == "eager"
+    with pytest.raises(UnsupportedSetupError, match="interim_kernel='compiled' needs its C\\+\\+ compiler.*'eager'"):
         Kernels("compiled", CPU)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -304,7 +325,8 @@ def test_auto_builds_only_for_matrices_large_enough_to_repay_it(monkeypatch: pyt
 
 
 def test_a_build_failure_runs_eagerly_under_auto_and_is_raised_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    """torch.compile's builds (the CUDA path's): a failed one runs its kernel eagerly under "auto", said once."""
+    monkeypatch.setenv(KERNELS_ENV, "inductor")
     monkeypatch.setattr(kernels_module, "compiler_missing", lambda device: None)
     monkeypatch.setattr(compiled_module, "aot_available", lambda: None)
     monkeypatch.setattr(compiled_module, "_REGISTRY", {})
@@ -325,9 +347,12 @@ def test_a_build_failure_runs_eagerly_under_auto_and_is_raised_when_asked(monkey
 
 
 @needs_compiler
-def test_the_worker_step_runs_eagerly_until_its_build_is_ready_with_the_same_bits() -> None:
+@SLOW
+def test_the_worker_step_runs_eagerly_until_its_build_is_ready_with_the_same_bits(monkeypatch) -> None:
     """The host worker builds its step on a thread of its own; an update meanwhile runs the eager step: both give the
-    same bits, so the moment the build lands changes nothing."""
+    same bits, so the moment the build lands changes nothing (torch.compile's build; the native one is tested in
+    tests/test_native.py and below)."""
+    monkeypatch.setenv(KERNELS_ENV, "inductor")
     background = StepKernels("compiled", background=True)
     try:
         step = _host_step(torch.bfloat16, torch.bfloat16, master=False)
@@ -350,6 +375,7 @@ def test_the_worker_step_runs_eagerly_until_its_build_is_ready_with_the_same_bit
 def _train(
     kernel: str, dtype: torch.dtype = torch.float32, steps: int = 14, host_state: str = "bf16", **knobs: object
 ) -> dict[str, torch.Tensor]:
+    """A short training run with ``interim_kernel=kernel`` (under the override the test set: native or inductor)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 8)).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -372,24 +398,14 @@ def _train(
             opt.zero_grad()
         engine.flush()
         assert engine.kernels.mode == kernel
-        # every lane call ran a build, but the statistics' sums of the 8-row matrix: its build tiles 16 rows and
-        # takes at least 32 (the same choice at every call)
-        assert not any(f.eager_calls for f in engine.kernels.functions if f.name != "row_col_sums")
+        assert engine.kernels.eager_calls == 0  # every lane call ran a fused kernel
     return {name: value.detach().float().clone() for name, value in model.state_dict().items()}
 
 
-SLOW = pytest.mark.slow  # each case builds its kernels (seconds each with an empty compile cache, as in CI)
-
-
-@needs_compiler
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("host_state", "dtype"),
-    [
-        ("bf16", torch.bfloat16),
-        pytest.param("bf16", torch.float32, marks=SLOW),
-        pytest.param("fp32", torch.bfloat16, marks=SLOW),
-        pytest.param("fp32", torch.float32, marks=SLOW),
-    ],
+    [("bf16", torch.bfloat16), ("bf16", torch.float32), ("fp32", torch.bfloat16), ("fp32", torch.float32)],
     ids=[
         "bf16 state, bf16 weights",
         "bf16 state, fp32 weights",
@@ -397,20 +413,24 @@ SLOW = pytest.mark.slow  # each case builds its kernels (seconds each with an em
         "fp32 state, fp32 weights",
     ],
 )
-def test_an_engine_without_interim_moves_trains_compiled_bit_for_bit_as_eager(host_state: str, dtype) -> None:
+def test_an_engine_without_interim_moves_trains_fused_bit_for_bit_as_eager(
+    backend: str, host_state: str, dtype, monkeypatch
+) -> None:
     eager = _train("eager", dtype, host_state=host_state, interim_step=0)
+    monkeypatch.setenv(KERNELS_ENV, "inductor" if backend == "inductor" else "compiled")
     compiled = _train("compiled", dtype, host_state=host_state, interim_step=0)
     for name, value in eager.items():
         assert torch.equal(compiled[name], value), name
 
 
-@needs_compiler
-@SLOW
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32 weights", "bf16 weights"])
-def test_an_engine_with_interim_moves_trains_compiled_as_eager(dtype: torch.dtype) -> None:
+def test_an_engine_with_interim_moves_trains_fused_as_eager(backend: str, dtype: torch.dtype, monkeypatch) -> None:
     """With the moves, only the statistics' sums differ (their order of addition), now and then by one fp32 ulp,
     which flips a rounding: the runs stay far closer to each other than to the untrained weights."""
-    eager, compiled = _train("eager", dtype), _train("compiled", dtype)
+    eager = _train("eager", dtype)
+    monkeypatch.setenv(KERNELS_ENV, "inductor" if backend == "inductor" else "compiled")
+    compiled = _train("compiled", dtype)
     torch.manual_seed(0)
     initial = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 8)).to(dtype).state_dict()
     for name, value in eager.items():

@@ -71,6 +71,7 @@ def test_the_first_kernel_build_is_said_once(monkeypatch: pytest.MonkeyPatch) ->
         def guard_check(self, *args: object) -> bool:
             return True
 
+    monkeypatch.setenv(kernels.KERNELS_ENV, "inductor")  # torch.compile's builds (the CPU's are native otherwise)
     monkeypatch.setattr(compiled_module, "_REGISTRY", {})
     monkeypatch.setattr(compiled_module, "_build", lambda fn, args: Built(fn))
     monkeypatch.setattr(kernels, "resolve_kernel_mode", lambda mode, device, elements=None: ("compiled", None))

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zenflow.engine.device import HyperParams
-from lightning_zenflow.engine.kernels import Kernels
+from lightning_zenflow.engine.kernels import Kernels, kernel_override, resolve_kernel_mode
 from lightning_zenflow.engine.rounding import PURPOSE_EXP_AVG_SQ, bits_table, lattice_bits, offset_of, round_bf16
+from lightning_zenflow.native import native_built, native_kernels
 
 CHUNK_ELEMENTS = 1 << 22
 """Elements per call of a step function (16 MiB of fp32): the eager temporaries' bound."""
@@ -195,12 +196,13 @@ def step_region(
     master2d: torch.Tensor | None,
     tables: tuple[torch.Tensor, torch.Tensor],
     scalars: torch.Tensor,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> None:
-    """One matrix's host step (its ``[host_rows, cols]`` views), in row blocks of about :data:`CHUNK_ELEMENTS`."""
+    """One matrix's host step (its ``[host_rows, cols]`` views), in row blocks of about ``chunk_elements``."""
     rows, cols = grad2d.shape
     stochastic = exp_avg_sq2d.dtype == torch.bfloat16
     row_r, col_r = tables
-    block = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    block = max(1, chunk_elements // max(cols, 1))
     for start in range(0, rows, block):
         stop = min(rows, start + block)
         part = slice(start, stop)
@@ -316,22 +318,35 @@ on one core) instead of waiting for the build; a larger one waits. Both give the
 class StepKernels:
     """The step functions as the worker runs them and the rounding's tables.
 
-    Compiled (``mode``, ``elements``: ``engine/kernels.py``'s rule), the step is built on a thread of its own
-    (``background``, the worker) or on the caller's, ahead of the first update: :meth:`warm` queues the dtypes a worker
-    will meet. Until a build is ready, a small region runs the same functions eagerly (the same bits) and a large one
-    waits for it, so the training process's first host update does not wait for a compile (the main job's 9 % of
-    waiting before)."""
+    ``mode`` (``interim_kernel``; ``elements``: ``engine/kernels.py``'s size rule): anything but ``"eager"`` runs
+    ``lightning_zenflow/native``'s step, bit for bit the eager functions' (several times their speed, and 1.4-1.6 times
+    torch's fused AdamW over fp32 state here: RESULTS.md). The library is built once per machine (seconds) and cached:
+    where it is not built yet and the mode asks for compiled kernels, the worker (``background``) builds it on a thread
+    of its own while the step runs eagerly (the same bits), and takes it once loaded; elsewhere it builds now. With
+    ``LIGHTNING_ZENFLOW_KERNELS=inductor`` the step is ``torch.compile``'s build instead, ahead of time (:meth:`warm`
+    queues the dtypes a worker will meet; until a build is ready a small region runs eagerly and a large one waits)."""
 
     def __init__(self, mode: str = "eager", elements: int | None = None, background: bool = False) -> None:
+        resolved, _ = resolve_kernel_mode(mode, torch.device("cpu"), elements)
+        inductor = resolved == "compiled" and kernel_override() == "inductor"
         # in the worker only the builder thread builds; elsewhere (a benchmark, the planner) whichever thread calls
-        self.kernels = Kernels(mode, torch.device("cpu"), elements, owner=False)
+        self.kernels = Kernels(mode if inductor else "eager", torch.device("cpu"), elements, owner=False)
         self.step_ = self.kernels.wrap(adam_step_)
         self.master_step_ = self.kernels.wrap(adam_master_step_)
+        self.chunk_elements = CHUNK_ELEMENTS
+        """Elements per call of a step function: the eager functions' temporaries' bound (native: a region at once)."""
         self.noise = NoiseTables()
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._builder: threading.Thread | None = None
+        if not inductor and mode != "eager" and kernel_override() != "eager":
+            if native_built() or (resolved == "compiled" and not background):
+                self._take_native()
+            elif resolved == "compiled":
+                # the first build on this machine (seconds): the step runs eagerly meanwhile, with the same bits
+                self._builder = threading.Thread(target=self._take_native, name="zenflow-step-builder", daemon=True)
+                self._builder.start()
         if self.kernels.mode == "compiled":
             import torch._inductor.config as inductor_config
 
@@ -342,8 +357,19 @@ class StepKernels:
                 self._builder.start()
                 self.kernels.hand_builds_to(self._builder.ident)
 
+    def _take_native(self) -> None:
+        """Run the native step from now on, if the library loads (it builds here if no process has: seconds)."""
+        native = native_kernels()
+        if native is None:
+            return
+        # the same bits as the eager step: which one a region runs never changes a number
+        self.chunk_elements = 1 << 62
+        self.master_step_ = native.adam_master_step_
+        self.step_ = native.adam_step_
+
     def warm(self, groups: Sequence[WorkerGroup]) -> None:
-        """Build the step for the dtypes of ``groups`` (on the builder thread when there is one; at once otherwise)."""
+        """Build the step for the dtypes of ``groups`` (on the builder thread when there is one; at once otherwise):
+        ``torch.compile``'s builds only (the native step is one library for every dtype)."""
         if self.kernels.mode != "compiled":
             return
         kinds = []
@@ -386,7 +412,7 @@ class StepKernels:
 
     def close(self) -> None:
         if self._builder is not None:
-            self._queue.put(None)
+            self._queue.put(None)  # an inductor builder's end; a native one ends by itself
             self._builder.join()  # thread join: a build in progress finishes first (a daemon thread mid-compile
             self._builder = None  # at interpreter exit could abort the process)
 
@@ -447,6 +473,7 @@ def host_adam_update(
                 master2d,
                 kernels.noise.of(extent.salt, extent.row_start, rows, cols),
                 step_hp.scalars(extent.salt, with_master),
+                kernels.chunk_elements,
             )
         if with_master and extent.dtype != torch.float32:
             itemsize = torch.empty((), dtype=extent.dtype).element_size()

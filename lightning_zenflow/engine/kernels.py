@@ -1,8 +1,11 @@
-"""The interim moves' elementwise passes, written once in plain torch ops and compiled where a compiler is found.
+"""The engine's elementwise kernels (the interim moves, their statistics, the landing, the window's sum), written
+once in plain torch ops: the definition of their numbers.
 
-One Python source serves both devices (DESIGN section 6): ``torch.compile`` turns each function into one fused
-kernel (C++ with OpenMP on a CPU, Triton on CUDA); without a compiler the same functions run eagerly, slower and with
-temporaries, to the same rule (float rounding aside). Cost model, per element of a matrix (``docs/performance.md``):
+They run fused where a compiler is found: on CUDA ``torch.compile`` turns each function into one Triton kernel, built
+ahead of time (``engine/compiled.py``); on a CPU (the stand-in for the device) ``lightning_zenflow/native``'s C++
+kernels, bit for bit the eager functions' (the statistics' sums aside: they add in another order). Without a compiler
+the functions run eagerly, slower and with temporaries, to the same rule. Cost model, per element of a matrix
+(``docs/performance.md``):
 
 - :func:`moves_fp32_`: reads the gradient and the weight, writes the weight: 12 B (fp32), 6 B (bf16 gradient and
   weight, :func:`moves_bf16_`). No temporaries, no gather: host columns are a mask over the whole matrix (the
@@ -35,7 +38,10 @@ from lightning_zenflow.engine.notices import notice_once
 from lightning_zenflow.engine.rounding import lattice_bits, round_bf16
 
 KERNELS_ENV = "LIGHTNING_ZENFLOW_KERNELS"
-"""Overrides ``interim_kernel="auto"``: ``eager`` or ``compiled`` (the test suite runs eager by default)."""
+"""Overrides ``interim_kernel="auto"``: ``eager``, ``compiled`` (native C++ on a CPU, Triton on CUDA) or ``inductor``
+(``torch.compile`` on a CPU too: the CUDA path's way of building, for its tests). The test suite runs eager by
+default."""
+KERNEL_OVERRIDES = ("compiled", "eager", "inductor")
 KERNEL_MODES = ("auto", "compiled", "eager")
 _ROW_MULTIPLIER = 0x2C1B3C6D
 _COL_MULTIPLIER = 0x297A2D39
@@ -177,25 +183,42 @@ def resolve_kernel_mode(
     :data:`AUTO_COMPILE_MIN_ELEMENTS`; the reason for eager where no compiler is found); ``"compiled"`` without one is
     refused."""
     if mode == "auto":
-        override = os.environ.get(KERNELS_ENV, "").strip().lower()
-        if override and override not in ("compiled", "eager"):
-            raise ValueError(f"{KERNELS_ENV}={override!r} is not 'compiled' or 'eager'; unset it for the default.")
-        mode = override or "auto"
+        override = kernel_override()
+        mode = "compiled" if override == "inductor" else (override or "auto")
         if mode == "auto" and elements is not None and elements < AUTO_COMPILE_MIN_ELEMENTS:
             return "eager", None
     if mode == "eager":
         return "eager", None
-    missing = compiler_missing(device) or aot_available()
+    if device.type == "cpu" and kernel_override() != "inductor":
+        missing = native_compiler_missing()
+    else:
+        missing = compiler_missing(device) or aot_available()
     if missing is None:
         return "compiled", None
     if mode == "compiled":
         from lightning_zenflow.engine.errors import UnsupportedSetupError
 
+        how = "its C++ compiler" if device.type == "cpu" else "torch.compile"
         raise UnsupportedSetupError(
-            f"interim_kernel='compiled' needs torch.compile for {device.type}, but {missing}. Install it, or set "
+            f"interim_kernel='compiled' needs {how} on {device.type}, but {missing}. Install it, or set "
             "interim_kernel='eager' (the same rule, slower: about ten passes instead of one)."
         )
     return "eager", missing
+
+
+def kernel_override() -> str | None:
+    """``LIGHTNING_ZENFLOW_KERNELS`` (checked), or None when unset."""
+    override = os.environ.get(KERNELS_ENV, "").strip().lower()
+    if override and override not in KERNEL_OVERRIDES:
+        raise ValueError(f"{KERNELS_ENV}={override!r} is not one of {list(KERNEL_OVERRIDES)}; unset it for the default")
+    return override or None
+
+
+def native_compiler_missing() -> str | None:
+    """Why ``lightning_zenflow/native`` cannot be built here, or None."""
+    from lightning_zenflow.native.build import find_compiler
+
+    return None if find_compiler() is not None else "no C++ compiler on PATH (install g++, e.g. apt-get install g++)"
 
 
 KERNEL_BUILD_NOTICE = (
@@ -225,6 +248,16 @@ class Kernels:
     ) -> None:
         self.requested = mode
         self.mode, reason = resolve_kernel_mode(mode, device, elements)
+        self.native = None
+        """``lightning_zenflow/native``'s kernels where they run this engine's (a CPU, compiled)."""
+        if self.mode == "compiled" and device.type == "cpu" and kernel_override() != "inductor":
+            self.native = _native_or_refuse(self.requested == "compiled")
+            if self.native is None:
+                self.mode = "eager"  # the library said once why (a failed build)
+        self.threads = torch.get_num_threads()
+        """The native kernels' threads: the training process's (set again once its cores are bound)."""
+        self.native_fallbacks = 0
+        """Native calls that ran eagerly for arguments the library does not take (rows that are not contiguous)."""
         if reason is not None and reason not in _WARNED:
             _WARNED.add(reason)
             warnings.warn(
@@ -233,7 +266,7 @@ class Kernels:
                 "to choose this knowingly.",
                 stacklevel=3,
             )
-        if self.mode == "compiled":
+        if self.mode == "compiled" and self.native is None:
             keep_cuda_guard()  # torch 2.11, no CUDA device: a build after a building thread ended crashed
         self.owner = threading.get_ident() if owner is True else (None if owner is False else owner)
         self.functions: list[CompiledFunction] = []
@@ -244,14 +277,34 @@ class Kernels:
         self.accumulate_bf16_ = self.wrap(accumulate_bf16_)
 
     def wrap(self, fn: Callable, strict: bool = False) -> Callable:
-        """``fn`` as this engine runs it: built ahead of time (``engine/compiled.py``) or eager."""
+        """``fn`` as this engine runs it: native (a CPU), built ahead of time (``engine/compiled.py``) or eager."""
         if self.mode == "eager":
             return fn
+        if self.native is not None:
+            return self._native_call(fn)
         compiled = CompiledFunction(
             fn, self.owner, strict=strict, on_build=_announce, required=self.requested == "compiled"
         )
         self.functions.append(compiled)
         return compiled
+
+    def _native_call(self, fn: Callable) -> Callable:
+        """``fn``'s native kernel with this engine's threads; eager for arguments the library does not take (the same
+        bits for an elementwise kernel; for the statistics' sums, the same call is always the same path)."""
+        from lightning_zenflow.native import NativeArgumentError
+
+        native_fn = getattr(self.native, fn.__name__)
+
+        def call(*args: object) -> object:
+            try:
+                return native_fn(*args, threads=self.threads)
+            except NativeArgumentError:
+                self.native_fallbacks += 1
+                with torch.no_grad():
+                    return fn(*args)
+
+        call.__name__ = fn.__name__
+        return call
 
     @staticmethod
     def prepare(kernel: Callable, *args: object) -> None:
@@ -267,8 +320,24 @@ class Kernels:
 
     @property
     def eager_calls(self) -> int:
-        """Calls of a compiled kernel that ran eagerly because no build accepted their arguments."""
-        return sum(f.eager_calls for f in self.functions)
+        """Calls of a compiled kernel that ran eagerly because no build (or native kernel) accepted their arguments."""
+        return sum(f.eager_calls for f in self.functions) + self.native_fallbacks
+
+
+def _native_or_refuse(required: bool):  # noqa: ANN202 - NativeKernels | None, imported lazily
+    """The native kernels, or None (their loader said why, once); ``required`` (``interim_kernel="compiled"``): a
+    failed build is raised."""
+    from lightning_zenflow.native import native_kernels, native_unavailable
+
+    native = native_kernels()
+    if native is None and required:
+        from lightning_zenflow.engine.errors import UnsupportedSetupError
+
+        raise UnsupportedSetupError(
+            f"interim_kernel='compiled' runs lightning_zenflow's native kernels on a CPU, but {native_unavailable()}. "
+            "Fix the build, or set interim_kernel='eager' (the same rule, slower)."
+        )
+    return native
 
 
 def _announce(name: str) -> None:

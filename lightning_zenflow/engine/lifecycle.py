@@ -188,6 +188,8 @@ class EngineLifecycle:
                     self._host_fail_at,
                     self.row_offsets,
                 )
+            # the native kernels the lanes run use the training process's share of the cores, bound now
+            self.kernels.threads = torch.get_num_threads()
         except BaseException:
             self.close(quiet=True)
             raise
