@@ -40,6 +40,21 @@ T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------------------------------- arguments
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """The block runs with ``values`` set in ``os.environ``; they are put back after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
 def make_parser(description: str | None) -> argparse.ArgumentParser:
     """The script's parser; ``--help`` prints ``description`` (the module docstring) as written."""
     return argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

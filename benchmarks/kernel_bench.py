@@ -78,7 +78,7 @@ from lightning_zenflow.engine.host import (
     host_adam_update,
 )
 from lightning_zenflow.engine.interim import MatrixStatistics, derive_scales, update_statistics
-from lightning_zenflow.engine.kernels import Kernels, compiler_missing, resolve_kernel_mode
+from lightning_zenflow.engine.kernels import KERNELS_ENV, Kernels, compiler_missing, resolve_kernel_mode
 from lightning_zenflow.native import native_kernels, native_unavailable
 
 DEFAULT_OUT = pathlib.Path(__file__).parent / "out" / "kernel_bench.json"
@@ -536,17 +536,20 @@ def pass_times(args: argparse.Namespace, device: torch.device) -> dict[str, floa
         for param, grad in zip(params, grads):
             param.grad = grad.clone()
         results["fused AdamW step"] = timed(torch.optim.AdamW(params, lr=1e-4, fused=True).step)
-        modes = (["compiled"] if compiler_missing(device) is None else []) + (
-            ["eager"] if cuda else ["native", "eager"]
-        )
+        # on CUDA: Triton's builds ("compiled") and eager; on a CPU: the native kernels (what "compiled" runs there),
+        # torch.compile's builds (the CUDA path's way of building, LIGHTNING_ZENFLOW_KERNELS=inductor) and eager
+        built = compiler_missing(device) is None
+        if cuda:
+            modes = [*(["compiled"] if built else []), "eager"]
+        else:
+            modes = ["native", *(["torch.compile"] if built else []), "eager"]
         for mode in modes:
-            kernels = Kernels("eager" if mode == "native" else mode, device)
-            if mode == "native":
-                native = native_kernels()
-                if native is None:
-                    continue
-                kernels.moves_fp32_, kernels.moves_bf16_ = native.moves_fp32_, native.moves_bf16_
-                kernels.row_col_sums = native.row_col_sums
+            if mode == "native" and native_kernels() is None:
+                continue
+            override = {"native": "compiled", "torch.compile": "inductor"}.get(mode)
+            with bench_utils.environment({KERNELS_ENV: override} if override else {}):
+                kernels = Kernels("eager" if mode == "eager" else "compiled", device)
+            kernels.threads = 1  # one core, one thread: the training process's share on a CPU
             for dtype in (torch.float32, torch.bfloat16):
                 if dtype == torch.bfloat16 and mode == "eager" and not args.quick and not cuda:
                     continue  # minutes of bf16 elementwise work on a CPU; the compiled row is the one used
