@@ -27,6 +27,17 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert test_command in ci_lines, f"README test command {test_command!r} is not a line of .ci/run"
 
 
+def test_the_readmes_plan_command_prints_what_the_readme_shows(capsys: pytest.CaptureFixture) -> None:
+    """The README's planner command, run as it is: it exits 0 and its recommendation is the line the README quotes."""
+    from lightning_zenflow.planner.cli import main
+
+    command = next(b for b in _bash_blocks(README) if b.startswith("lightning-zenflow plan"))
+    args = [str(ROOT / arg) if arg.startswith("configs/") else arg for arg in command.split()[2:]]
+    assert main(args) == 0
+    recommended = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("recommended: "))
+    assert recommended in README, f"the README quotes another recommendation than the planner's: {recommended}"
+
+
 def test_readme_main_job_command_uses_the_main_config() -> None:
     main_command = next(b for b in _bash_blocks(README) if "lightning-zenflow fit" in b)
     assert main_command.startswith('python -m pip install "torch==2.13.0" -e . && ')
