@@ -41,6 +41,7 @@ T = TypeVar("T")
 
 # ------------------------------------------------------------------------------------------------------- arguments
 
+
 @contextlib.contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
     """The block runs with ``values`` set in ``os.environ``; they are put back after it."""
@@ -54,6 +55,7 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
 
 def make_parser(description: str | None) -> argparse.ArgumentParser:
     """The script's parser; ``--help`` prints ``description`` (the module docstring) as written."""

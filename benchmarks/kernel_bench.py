@@ -41,9 +41,13 @@ of strided columns with ``alpha=1/S``, ATen's serial loop) on the same data.
 Table 3, the interim moves' passes (``engine/kernels.py``) over ``--moves-layers`` square ``--moves-width`` matrices
 (default four 2048 x 2048; eight 4096 x 4096 on a GPU), S = 4, median ms per step (one window of S steps is one
 statistics pass and S moves) against one fused AdamW step over the same matrices: compiled, native and eager, fp32
-and bf16 weights, the compiled and native ones also split into their move pass and their statistics pass. On the CPU
-they run on one core with one thread (the training process's share); with ``--device cuda`` only this table runs, on
-the GPU (the kernels Triton builds from the same source).
+and bf16 weights, the compiled and native ones also split into their move pass and their statistics pass. Beside them,
+the device update's data movement over the same matrices (``engine/device.py``): the gather of the selected gradient
+columns and the write of their masters back into the weights, for a sorted random 10 % of the columns (spread as a
+selection is: most cache lines of a row hold one), with the native kernels (what the CPU stand-in runs) and torch's
+``index_select`` / ``index_copy_`` (eager, and CUDA's). On the CPU they run on one core with one thread (the training
+process's share); with ``--device cuda`` only this table runs, on the GPU (the kernels Triton builds from the same
+source).
 
     python benchmarks/kernel_bench.py                     # 1M, 16M, 64M parameters; 1 and 2 threads; bf16 state
     python benchmarks/kernel_bench.py --host-state fp32   # the exact state
@@ -67,7 +71,7 @@ from typing import Any
 import bench_utils
 import torch
 
-from lightning_zenflow.engine.device import HyperParams
+from lightning_zenflow.engine.device import HyperParams, gather_columns, write_columns
 from lightning_zenflow.engine.host import (
     GroupJob,
     HostWorker,
@@ -525,6 +529,8 @@ def pass_times(args: argparse.Namespace, device: torch.device) -> dict[str, floa
     grads = [(torch.randn(shape, generator=generator) * 1e-3).to(device) for shape in shapes]
     weights = [(torch.randn(shape, generator=generator) * 0.02).to(device) for shape in shapes]
     unselected = torch.arange(max(1, round(0.1 * width)), width, device=device)  # the host columns at rho = 0.1
+    # the device update's columns: as many, spread over the row as a selection is
+    selected = torch.randperm(width, generator=generator)[: max(1, round(0.1 * width))].sort().values.to(device)
     results: dict[str, float] = {}
 
     def timed(fn: Callable[[], Any], repeats: int = 10) -> float:
@@ -551,8 +557,8 @@ def pass_times(args: argparse.Namespace, device: torch.device) -> dict[str, floa
                 kernels = Kernels("eager" if mode == "eager" else "compiled", device)
             kernels.threads = 1  # one core, one thread: the training process's share on a CPU
             for dtype in (torch.float32, torch.bfloat16):
-                if dtype == torch.bfloat16 and mode == "eager" and not args.quick and not cuda:
-                    continue  # minutes of bf16 elementwise work on a CPU; the compiled row is the one used
+                # minutes of bf16 elementwise work on a CPU; the compiled row is the one used
+                skip_moves = dtype == torch.bfloat16 and mode == "eager" and not args.quick and not cuda
                 g, w = [x.to(dtype) for x in grads], [x.to(dtype) for x in weights]
                 stats = [_statistics(shape, unselected, device) for shape in shapes]
                 seed = torch.zeros((), dtype=torch.int64, device=device)
@@ -581,10 +587,24 @@ def pass_times(args: argparse.Namespace, device: torch.device) -> dict[str, floa
                         kernels.row_col_sums(grad2d, st.host_mask)
 
                 label = f"moves {mode} {'fp32' if dtype == torch.float32 else 'bf16'}"
-                results[label] = timed(window, repeats=5) / interval
+                if not skip_moves:
+                    results[label] = timed(window, repeats=5) / interval
                 if mode != "eager":  # the two parts of that mean
                     results[f"{label}: the move pass"] = timed(moves)
                     results[f"{label}: the statistics pass (once a window)"] = timed(sums)
+                if mode != "torch.compile":  # its data movement is torch's ops, as eager's
+                    gather, write = kernels.native_or_eager(gather_columns), kernels.native_or_eager(write_columns)
+                    masters = [torch.randn(width, selected.numel(), device=device) * 0.02 for _ in shapes]
+                    gathered = [torch.empty_like(master) for master in masters]
+
+                    def columns(g=g, w=w, gather=gather, write=write, masters=masters, gathered=gathered) -> None:
+                        for grad2d, weight2d, master, out in zip(g, w, masters, gathered):
+                            gather(grad2d, selected, out)
+                            write(weight2d, selected, master)
+
+                    name = "torch ops" if mode == "eager" else mode
+                    dtype_name = "fp32" if dtype == torch.float32 else "bf16"
+                    results[f"selected columns {name} {dtype_name}: gather + write-back"] = timed(columns)
     return results
 
 

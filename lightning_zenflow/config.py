@@ -87,7 +87,7 @@ class ZenFlowConfig:
     style) estimate of its RMS taken once per window, clipped to [-1, 1], on the device; the host's AdamW step then
     lands on top (added, not overwritten). It closes the gap to AdamW that the window costs (docs/update_rule.md).
     0 is the paper's rule (a host column moves only when its host update lands). A number > 0 needs fp32 or bf16
-    weights for the matrices (bf16 ones are written with stochastic rounding) and AdamW-style weight decay.
+    weights for the matrices (bf16 ones are written with stochastic rounding), AdamW-style weight decay and eps > 0.
     ``"auto"``: where those hold and S > 1, 1.5 (``AUTO_INTERIM_STEP``) at windows of up to 4 steps and less at longer
     ones (``auto_interim_step``: 0.75 at S 8), else 0; at S 4, 1 moved too little on text the model rarely saw, and at
     S 8, 1.5 moved too far (docs/update_rule.md, "Defaults, and why"). Device cost: one fused pass, about 13 B per

@@ -474,7 +474,7 @@ class ReferenceZenFlow:
         self.selection_changes = 0
 
     def _interim_step(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, dtypes: list) -> float:
-        """``"auto"``: with windows longer than one step, host columns, fp32 or bf16 matrices and no Adam L2 term, 1.5
+        """``"auto"``: with windows longer than one step, host columns, fp32 or bf16 matrices, no Adam L2 term and eps > 0, 1.5
         at windows of up to 4 steps and 1.5 * 4 / S at longer ones (written here as numbers, not read from the
         package: docs/update_rule.md states them)."""
         if config.interim_step != "auto":
@@ -485,6 +485,7 @@ class ReferenceZenFlow:
             and self.ratio < 1
             and all(dtype in (torch.float32, torch.bfloat16) for dtype in dtypes)
             and all(hp.decoupled or hp.weight_decay == 0 for hp in groups)
+            and all(hp.eps > 0 for hp in groups)
         )
         return 1.5 * min(1.0, 4 / self.interval) if applies else 0.0
 

@@ -169,6 +169,23 @@ def test_adam_with_l2_weight_decay_is_refused() -> None:
         _engine(model, opt).start()
 
 
+def test_eps_zero_is_refused_at_start_and_at_a_step() -> None:
+    """eps=0: a column whose gradients were all 0 has a factored RMS of 0, and its move would be 0 / 0 (a NaN
+    weight); refused by group, with the fix, at start and when a group's eps becomes 0 later."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0)
+    with pytest.raises(UnsupportedSetupError, match="param group 0 has eps=0.0.*Set eps > 0.*or interim_step=0"):
+        _engine(model, opt, ZenFlowConfig(full_warm_up_rounds=0, interim_step=1.5)).start()
+    model = _model()
+    opt = _optimizer(model)
+    with _engine(model, opt, ZenFlowConfig(full_warm_up_rounds=0, interim_step=1.5)) as engine:
+        model(torch.randn(4, model[0].in_features)).square().sum().backward()
+        engine.step()
+        opt.param_groups[0]["eps"] = 0.0
+        with pytest.raises(UnsupportedSetupError, match="has eps=0.0"):
+            engine.step()
+
+
 def test_auto_is_on_where_it_applies_and_off_elsewhere() -> None:
     def scale(model: nn.Module, opt: torch.optim.Optimizer, **knobs: object) -> float:
         with _engine(model, opt, ZenFlowConfig(full_warm_up_rounds=0, **knobs)) as engine:
@@ -184,6 +201,7 @@ def test_auto_is_on_where_it_applies_and_off_elsewhere() -> None:
     assert scale(fp16, _optimizer(fp16)) == 0.0  # fp16 weights: the paper's rule
     assert scale(model, torch.optim.Adam(model.parameters(), weight_decay=0.1)) == 0.0  # an L2 term
     assert scale(model, torch.optim.Adam(model.parameters())) == 1.5
+    assert scale(model, torch.optim.AdamW(model.parameters(), eps=0.0)) == 0.0  # 0 / 0 where a column never moved
 
 
 @pytest.mark.parametrize(("interval", "expected"), [(2, 1.5), (4, 1.5), (5, 1.2), (6, 1.0), (8, 0.75), (16, 0.375)])

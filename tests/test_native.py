@@ -6,6 +6,7 @@ a missing compiler or a failed build said once with the fix; two processes that 
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import signal
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 import lightning_zenflow.native as native
-from lightning_zenflow.engine import notices
+from lightning_zenflow import ZenFlowConfig, ZenFlowEngine
+from lightning_zenflow.engine import device, notices
 from lightning_zenflow.engine.host_step import NoiseTables, StepHyperParams, adam_master_step_, adam_step_
 from lightning_zenflow.engine.kernels import accumulate_bf16_, landing_add_, moves_bf16_, moves_fp32_, row_col_sums
 from lightning_zenflow.engine.notices import ZenFlowNotice
@@ -71,11 +73,11 @@ def _awkward_values(shape: tuple[int, int], seed: int, scale: float) -> torch.Te
     return value
 
 
-def _views(shape: tuple[int, int], count: int) -> list[torch.Tensor]:
-    """``count`` row-block views at offsets into larger matrices (row stride past the width): what the engine passes
-    for a block of a region."""
-    rows, cols = shape
-    return [torch.empty(rows + 3, cols + 5 + k)[2 : 2 + rows, 3 + k : 3 + k + cols] for k in range(count)]
+def _view(tensor: torch.Tensor, k: int) -> torch.Tensor:
+    """``tensor`` copied into a row-block view at an offset into a larger matrix (row stride past the width): what the
+    engine passes for a block of a region."""
+    rows, cols = tensor.shape
+    return torch.empty(rows + 3, cols + 5 + k, dtype=tensor.dtype)[2 : 2 + rows, 3 + k : 3 + k + cols].copy_(tensor)
 
 
 def _same_bits(expected: torch.Tensor, got: torch.Tensor, what: str) -> None:
@@ -169,13 +171,25 @@ def _case(kernel: str, combo: tuple, shape: tuple[int, int], view: bool) -> tupl
         def call(kernels, x):
             (kernels.accumulate_bf16_ if kernels else accumulate_bf16_)(*x.values(), row_r, col_r, offset, first)
 
+    elif kernel in ("gather_columns", "write_columns"):
+        matrix_dtype, share = combo
+        generator = torch.Generator().manual_seed(seed)
+        k = max(1, round(share * cols))  # the first and the last column included now and then
+        selected = torch.randperm(cols, generator=generator)[:k].sort().values
+        packed = _awkward((rows, k), seed + 1, 0.02)
+        if kernel == "gather_columns":
+            inputs = {"grad2d": _awkward(shape, seed, 1e-3).to(matrix_dtype), "out": packed.fill_(7.0)}
+        else:
+            inputs = {"weight2d": _awkward(shape, seed, 0.02).to(matrix_dtype), "master": packed}
+
+        def call(kernels, x):
+            matrix, packed = x.values()
+            (getattr(kernels, kernel) if kernels else getattr(device, kernel))(matrix, selected, packed)
+
     else:
         raise ValueError(kernel)
     if view:
-        placed = {}
-        for (name, tensor), target in zip(inputs.items(), _views(shape, len(inputs))):
-            placed[name] = target.to(tensor.dtype).copy_(tensor)
-        inputs = placed
+        inputs = {name: _view(tensor, k) for k, (name, tensor) in enumerate(inputs.items())}
     return inputs, call
 
 
@@ -196,6 +210,7 @@ CASES = (
     + [("accumulate_bf16_", (a, g, first, off)) for a in (BF16, FP32) for g in (FP32, BF16) for first in (False, True)
        for off in ((torch.tensor(24576, dtype=torch.int32), 70000, torch.tensor(3.0)) if a == BF16 and g == FP32
                    else (torch.tensor(24577, dtype=torch.int64),))]
+    + [(k, (m, share)) for k in ("gather_columns", "write_columns") for m in (FP32, BF16) for share in (0.1, 0.5, 1.0)]
 )  # fmt: skip
 
 
@@ -303,11 +318,82 @@ def test_arguments_it_cannot_take_are_refused_by_name() -> None:
         kernels.adam_step_(grad, m, v[:, :5], row_r, col_r, scalars, False)
     with pytest.raises(NativeArgumentError, match="weight2d is written but its rows overlap"):
         kernels.landing_add_(torch.zeros(1, 6).expand(4, 6), grad, 1.0, 0, torch.tensor(0))
+    selected, packed = torch.tensor([0, 5]), torch.zeros(4, 2)
+    with pytest.raises(NativeArgumentError, match="selected must be a CPU int64 tensor"):
+        kernels.gather_columns(grad, selected.int(), packed)
+    with pytest.raises(NativeArgumentError, match=r"out has shape \(4, 3\)"):
+        kernels.gather_columns(grad, selected, torch.zeros(4, 3))
+    with pytest.raises(NativeArgumentError, match="master is bfloat16: the native kernel packs the columns in fp32"):
+        kernels.write_columns(m, selected, packed.bfloat16())
+    with pytest.raises(IndexError, match="column index is out of range"):
+        kernels.write_columns(m, torch.tensor([0, 6]), packed + 1)
+    assert not m.any()  # refused before any row was written
     with pytest.raises(NativeArgumentError, match="keep must be None or a one-element CPU tensor"):
         kernels.moves_fp32_(grad, m, torch.ones(4), torch.ones(6), torch.ones(6), 1e-8, 1e-3, torch.ones(2))
     # what it takes that the engine does not pass: a bool mask (0 and 1, as eager promotes it), strided tables
     kernels.moves_fp32_(grad, m, torch.ones(8)[::2], torch.ones(6), torch.ones(6, dtype=torch.bool), 1e-8, 1e-3, None)
     kernels.adam_step_(torch.zeros(0, 6), torch.zeros(0, 6), torch.zeros(0, 6), row_r[:0], col_r, scalars, True)
+
+
+# -------------------------------------------------------------------------------------- in the engine
+def _train(kernel: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A short run of the CPU stand-in without interim moves (their statistics' sums add in another order natively):
+    landings, two refreshes, and a resume from a state dict halfway (the loaded masters are written back into the
+    weights' selected columns)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 8)).to(dtype)
+    config = ZenFlowConfig(
+        topk_ratio=0.25, update_interval=3, full_warm_up_rounds=2, select_strategy="step", select_interval=3,
+        interim_step=0, interim_kernel=kernel,
+    )  # fmt: skip
+    names = {param: name for name, param in model.named_parameters()}
+    generator = torch.Generator().manual_seed(1)
+    state = None
+    for steps in (7, 7):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        with ZenFlowEngine(optimizer, config, param_names=names) as engine:
+            if state is not None:
+                engine.load_state_dict(state)
+            for _ in range(steps):
+                engine.wait_for_update()
+                x, y = torch.randn(16, 24, generator=generator), torch.randn(16, 8, generator=generator)
+                torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+                engine.step()
+                optimizer.zero_grad()
+            state = engine.state_dict()
+            assert engine.kernels.eager_calls == 0
+    assert state["progress"]["selections"] == 4, state["progress"]  # after the warm-up, then a refresh every window
+    return {name: value.detach().float().clone() for name, value in model.state_dict().items()}
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32 weights", "bf16 weights"])
+def test_the_engine_moves_the_selected_columns_natively_with_the_eager_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``interim_kernel="compiled"`` the stand-in's device update gathers the selected gradient columns and
+    writes the masters back with the native kernels (eagerly: torch's ``index_select`` and ``index_copy_``), and the
+    weights are the eager run's bit for bit."""
+    calls: collections.Counter = collections.Counter()
+
+    def counted(name: str) -> Callable:
+        original = getattr(native.NativeKernels, name)
+
+        def call(self, *args, **kwargs):
+            calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        return call
+
+    for name in ("gather_columns", "write_columns"):
+        monkeypatch.setattr(native.NativeKernels, name, counted(name))
+    eager = _train("eager", dtype)
+    assert not calls
+    compiled = _train("compiled", dtype)
+    assert calls["gather_columns"] >= 10, calls
+    assert calls["write_columns"] >= 10, calls
+    for name, value in eager.items():
+        _same_bits(value, compiled[name], name)
 
 
 @needs_library

@@ -3,7 +3,9 @@
 Whatever the model dtype, the device keeps an fp32 master copy of what it updates, fp32 moments and exact
 step counts (a bf16 model must not lose small updates to rounding, and a bf16 step counter stops at 256). The
 update is issued on the side lane (a CUDA stream; a thread on the CPU), ordered with events, so the training
-thread never waits for it on the host.
+thread never waits for it on the host. The selected columns are gathered from the gradient and written back into the
+weights by :func:`gather_columns` and :func:`write_columns`: torch's ``index_select`` and ``index_copy_`` on CUDA,
+and on a CPU standing in for the device ``lightning_zenflow/native``'s kernels, which give the same bits.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_zenflow.engine.lanes import Event, Lanes
 from lightning_zenflow.engine.layout import GroupLayout, MatrixSlot
+
+if TYPE_CHECKING:
+    from lightning_zenflow.engine.kernels import Kernels
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,20 @@ def adam_update_(
         torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
+def gather_columns(grad2d: torch.Tensor, selected: torch.Tensor, out: torch.Tensor) -> None:
+    """``out <- grad2d[:, selected]`` in fp32: the selected columns of a gradient into a reused ``[rows, k]`` buffer
+    (a bf16 gradient widened exactly)."""
+    if grad2d.dtype == torch.float32:
+        torch.index_select(grad2d, 1, selected, out=out)
+    else:
+        out.copy_(grad2d.index_select(1, selected))
+
+
+def write_columns(weight2d: torch.Tensor, selected: torch.Tensor, master: torch.Tensor) -> None:
+    """``weight2d[:, selected] <- master`` in the weights' dtype (``.to``'s rounding: to nearest even into bf16)."""
+    weight2d.index_copy_(1, selected, master.to(weight2d.dtype))
+
+
 class _DeviceStepCount:
     """``step``: the ``step_count`` device scalar as an int (a device read: checkpoints only)."""
 
@@ -138,12 +158,17 @@ class SelectedState(_DeviceStepCount):
 
 
 class DeviceUpdater:
-    """Owns the device-side optimizer state and applies the per-step device update."""
+    """Owns the device-side optimizer state and applies the per-step device update.
 
-    def __init__(self, layout: Sequence[GroupLayout], lanes: Lanes) -> None:
+    ``kernels``: the engine's (``engine/kernels.py``); where they are native (a CPU), the selected columns move with
+    ``lightning_zenflow/native``'s kernels, else (CUDA, eager, none given) with torch's ops."""
+
+    def __init__(self, layout: Sequence[GroupLayout], lanes: Lanes, kernels: Kernels | None = None) -> None:
         self.layout = layout
         self.lanes = lanes
         self.device = lanes.device
+        self.gather_columns = kernels.native_or_eager(gather_columns) if kernels is not None else gather_columns
+        self.write_columns = kernels.native_or_eager(write_columns) if kernels is not None else write_columns
         self.weights_done = lanes.event()
         """Recorded on the side lane after each write of the weights (the device update, a landing): the next
         forward waits for it."""
@@ -232,8 +257,7 @@ class DeviceUpdater:
         self._timing_events.append((started, finished))
         self.weights_written()
 
-    @classmethod
-    def _update_groups(cls, groups: Sequence, found_inf: torch.Tensor | None) -> None:
+    def _update_groups(self, groups: Sequence, found_inf: torch.Tensor | None) -> None:
         """Side lane: the fused AdamW step of every group, then the masters cast back into the weights."""
         for hp, device_only, selected in groups:
             masters, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -245,7 +269,7 @@ class DeviceUpdater:
                 steps.append(state.step_count)
             for state, grad in selected:
                 masters.append(state.master)
-                grads.append(cls._gather_selected(state, grad.view(state.slot.rows, state.slot.cols)))
+                grads.append(self._gather_selected(state, grad.view(state.slot.rows, state.slot.cols)))
                 exp_avgs.append(state.exp_avg)
                 exp_avg_sqs.append(state.exp_avg_sq)
                 steps.append(state.step_count)
@@ -254,15 +278,11 @@ class DeviceUpdater:
                 if state.separate_master:
                     state.param.data.copy_(state.master)
             for state, _ in selected:
-                cls.write_selected(state)
+                self.write_selected(state)
 
-    @staticmethod
-    def _gather_selected(state: SelectedState, grad2d: torch.Tensor) -> torch.Tensor:
+    def _gather_selected(self, state: SelectedState, grad2d: torch.Tensor) -> torch.Tensor:
         """The selected columns of a gradient, in fp32, in the state's reused buffer."""
-        if grad2d.dtype == torch.float32:
-            torch.index_select(grad2d, 1, state.selected, out=state.scratch)
-        else:
-            state.scratch.copy_(grad2d.index_select(1, state.selected))
+        self.gather_columns(grad2d, state.selected, state.scratch)
         return state.scratch
 
     def finished_update_seconds(self) -> float | None:
@@ -275,13 +295,11 @@ class DeviceUpdater:
             self._timing_events.popleft()  # bound the queue if nobody asks for a while
         return latest
 
-    @staticmethod
-    def write_selected(state: SelectedState) -> None:
+    def write_selected(self, state: SelectedState) -> None:
         """Lane work: copy the fp32 master of the selected columns into the model weights (cast to the model dtype)."""
         if state.k == 0:
             return
-        param2d = state.slot.param.data.view(state.slot.rows, state.slot.cols)
-        param2d.index_copy_(1, state.selected, state.master.to(param2d.dtype))
+        self.write_columns(state.slot.param.data.view(state.slot.rows, state.slot.cols), state.selected, state.master)
 
     def bytes_held(self) -> int:
         """Device bytes of optimizer state the engine holds (masters, moments, indices, work buffers)."""

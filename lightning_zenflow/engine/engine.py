@@ -31,7 +31,7 @@ from lightning_zenflow.engine.accumulate import (
     window_sums_of,
 )
 from lightning_zenflow.engine.device import HyperParams
-from lightning_zenflow.engine.interim import check_interim_decay
+from lightning_zenflow.engine.interim import check_interim_hparams
 from lightning_zenflow.engine.landing import Uploads
 from lightning_zenflow.engine.lifecycle import EngineLifecycle
 from lightning_zenflow.engine.migrate import migrate
@@ -102,7 +102,7 @@ class ZenFlowEngine(EngineLifecycle):
         self._diagnostics = None
         hparams = self.read_hparams()
         if self.interim is not None:
-            check_interim_decay(hparams)
+            check_interim_hparams(hparams)
         self.schedule.last_hparams = [asdict(h) for h in hparams]
         # torch's LR schedulers warn unless optimizer.step() ran first; this call is that step
         self.optimizer._opt_called = True  # type: ignore[attr-defined]

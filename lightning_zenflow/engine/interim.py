@@ -420,7 +420,7 @@ def resolve_interim_scale(
     config: ZenFlowConfig, layout: Sequence[GroupLayout], hparams: Sequence[HyperParams]
 ) -> float | Literal["auto"]:
     """``interim_step`` for this model: 0 for no moves (the paper's rule); an explicit number, checked against the
-    model (fp32 or bf16 weights, AdamW-style decay); ``"auto"`` where those hold and windows are longer than one step
+    model (fp32 or bf16 weights, AdamW-style decay, eps > 0); ``"auto"`` where those hold and windows are longer than one step
     (the size then follows each step's window, ``auto_interim_step``), else 0."""
     value = config.interim_step
     odd = sorted({str(s.param.dtype) for g in layout for s in g.matrices if s.param.dtype not in MOVED_DTYPES})
@@ -430,12 +430,13 @@ def resolve_interim_scale(
             and config.topk_ratio < 1
             and not odd
             and all(hp.decoupled or not hp.weight_decay for hp in hparams)
+            and all(hp.eps > 0 for hp in hparams)
         )
         return "auto" if applies else 0.0
     value = float(value)
     if value <= 0:
         return 0.0
-    check_interim_decay(hparams)
+    check_interim_hparams(hparams)
     if odd and config.topk_ratio < 1:
         raise UnsupportedSetupError(
             f"interim_step={config.interim_step} moves the weights of host columns in place, which needs "
@@ -446,9 +447,16 @@ def resolve_interim_scale(
     return value
 
 
-def check_interim_decay(hparams: Sequence[HyperParams]) -> None:
-    """Adam's L2 weight decay (in the gradient) cannot be combined with the moves: refused, naming the group."""
+def check_interim_hparams(hparams: Sequence[HyperParams]) -> None:
+    """Refused, naming the group: Adam's L2 weight decay (in the gradient), which the moves cannot combine, and
+    ``eps=0``, with which a column whose gradient has been exactly 0 divides 0 by 0 (a NaN weight)."""
     for index, hp in enumerate(hparams):
+        if hp.eps <= 0:
+            raise UnsupportedSetupError(
+                f"param group {index} has eps={hp.eps}; interim_step's moves divide by the factored RMS plus eps, "
+                "which is 0 for a column whose gradients were all 0 (0 / 0: a NaN weight). Set eps > 0 (AdamW's "
+                "default is 1e-8) or interim_step=0."
+            )
         if not hp.decoupled and hp.weight_decay:
             raise UnsupportedSetupError(
                 f"param group {index} runs Adam with weight_decay={hp.weight_decay} (an L2 term in the gradient), "

@@ -306,6 +306,11 @@ class Kernels:
         call.__name__ = fn.__name__
         return call
 
+    def native_or_eager(self, fn: Callable) -> Callable:
+        """``fn``'s native kernel where this engine runs them (a CPU), else ``fn`` itself: for work that CUDA runs as
+        torch ops, never built (the device update's column gather and write-back, ``engine/device.py``)."""
+        return self._native_call(fn) if self.native is not None else fn
+
     @staticmethod
     def prepare(kernel: Callable, *args: object) -> None:
         """Build ``kernel`` for calls like ``kernel(*args)`` before such a call is issued to a lane (no-op eagerly)."""

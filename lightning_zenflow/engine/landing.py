@@ -38,10 +38,10 @@ def landing_ring_bytes(slots: Sequence[MatrixSlot]) -> int:
     return min(LANDING_CHUNK_BYTES, largest)
 
 
-def _write_selected_all(states: Sequence[SelectedState]) -> None:
+def _write_selected_all(updater: DeviceUpdater, states: Sequence[SelectedState]) -> None:
     """Lane work: the selected columns of each matrix back from their device masters."""
     for state in states:
-        DeviceUpdater.write_selected(state)
+        updater.write_selected(state)
 
 
 def _land_steps(
@@ -180,7 +180,7 @@ class Uploads:
         if self.ranks.sharded:
             # data parallel: every rank's rows, on every rank, in the side lane's order
             lanes.collective(lanes.side, self.ranks.share_rows_many, shared)
-        lanes.side.run(_write_selected_all, states)
+        lanes.side.run(_write_selected_all, self.device_updater, states)
 
     def bytes_held(self) -> int:
         return self.ring_device.nbytes if self.ring_device is not None else 0

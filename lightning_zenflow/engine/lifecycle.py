@@ -160,10 +160,10 @@ class EngineLifecycle:
             torch.zeros(sum(s.cols for s in g.matrices), dtype=torch.long).share_memory_() for g in self.layout
         ]
         self._pinned: list[tuple[torch.Tensor, int]] = []
-        self.device_updater = DeviceUpdater(self.layout, self.lanes)
         # built on this (the training) thread before any lane runs them; the size rule of "auto" counts this rank's rows
         host_elements = sum(slot.host_numel for group in self.layout for slot in group.matrices)
         self.kernels = Kernels(self.config.interim_kernel, self.device, elements=host_elements)
+        self.device_updater = DeviceUpdater(self.layout, self.lanes, self.kernels)
         self.interim = InterimMoves(self.lanes, interim_step, self.kernels, self.ranks) if interim_step != 0 else None
         self.helper = Helper(self.lanes)
         self.window = WindowEnd(self.lanes, self.layout)

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from lightning_zenflow.config import num_selected_columns
-from lightning_zenflow.engine.device import DeviceUpdater
 from lightning_zenflow.engine.layout import MatrixSlot, staging_view
 from lightning_zenflow.engine.state_checks import MOMENTS
 
@@ -173,7 +172,7 @@ def device_state_from(engine: ZenFlowEngine, saved: Mapping[str, Mapping[str, to
                 with torch.no_grad():
                     getattr(state, key).copy_(columns.to(state.master.device))
             with torch.no_grad():
-                DeviceUpdater.write_selected(state)
+                engine.device_updater.write_selected(state)
 
 
 def weights_from_masters(engine: ZenFlowEngine, params: Mapping, row_blocks: bool) -> None:

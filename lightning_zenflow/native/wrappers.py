@@ -1,10 +1,11 @@
 """The native kernels behind the eager functions' signatures: check what is passed, hand pointers to the library.
 
-Each method takes what its eager function takes (``engine/host_step.py``, ``engine/kernels.py``) and gives its bits
-(``row_col_sums``: its sums to float rounding, the same bits for every thread count), plus a keyword-only ``threads``
-(default ``torch.get_num_threads()``). What the library cannot take is refused by name with the fix, before any
-memory is touched: a tensor that is not on the CPU, rows that are not contiguous, a dtype other than fp32 and bf16
-for the matrices (bool too for ``host_mask``), tables of another dtype or length.
+Each method takes what its eager function takes (``engine/host_step.py``, ``engine/kernels.py``, ``engine/device.py``)
+and gives its bits (``row_col_sums``: its sums to float rounding, the same bits for every thread count), plus a
+keyword-only ``threads`` (default ``torch.get_num_threads()``). What the library cannot take is refused by name with
+the fix, before any memory is touched: a tensor that is not on the CPU, rows that are not contiguous, a dtype other
+than fp32 and bf16 for the matrices (bool too for ``host_mask``), tables of another dtype or length, column indices
+that are not int64.
 
 The library runs with the GIL released (``ctypes``), so lane threads overlap their calls; a call whose region is small
 runs on the calling thread alone, a larger one on a pool of the library's own (``zenflow_cpu.cpp``, "Threads").
@@ -49,6 +50,7 @@ SIGNATURES = {
         _INT,
     ),
     "zf_row_col_sums": (_INT, _INT, _I64, _I64, _POINTER, _INT, _I64, _POINTER, _POINTER, _POINTER),
+    "zf_columns": (_INT, _INT, _INT, _I64, _I64, _POINTER, _INT, _I64, _POINTER, _I64, _POINTER, _I64),
 }
 """The library's C functions and their argument types (``zenflow_cpu.cpp``, the API section)."""
 
@@ -146,6 +148,8 @@ class NativeKernels:
             raise RuntimeError(f"the native variant {self.variant!r} does not run on this machine.")
         if code == -2:
             raise MemoryError("the native row_col_sums could not allocate its partial sums.")
+        if code == -3:
+            raise IndexError("a column index is out of range for the matrix (nothing was written).")
 
     # ------------------------------------------------------------------------------------- engine/host_step.py
     def adam_step_(
@@ -340,3 +344,39 @@ class NativeKernels:
             )
         )  # fmt: skip
         return row_sums, col_sums
+
+    # ------------------------------------------------------------------------------------- engine/device.py
+    def gather_columns(
+        self, grad2d: torch.Tensor, selected: torch.Tensor, out: torch.Tensor, *, threads: int | None = None
+    ) -> None:
+        """``engine/device.py``'s ``gather_columns``: ``out <- grad2d[:, selected]`` in fp32 (``index_select``'s
+        bits: a bf16 gradient widened exactly)."""
+        self._columns(grad2d, selected, out, 0, threads)
+
+    def write_columns(
+        self, weight2d: torch.Tensor, selected: torch.Tensor, master: torch.Tensor, *, threads: int | None = None
+    ) -> None:
+        """``engine/device.py``'s ``write_columns``: ``weight2d[:, selected] <- master`` in the weights' dtype
+        (``index_copy_`` of ``master.to(dtype)``: a bf16 weight rounded to nearest even)."""
+        self._columns(weight2d, selected, master, 1, threads)
+
+    def _columns(self, matrix2d, selected, packed2d, write: int, threads) -> None:
+        names = ("weight2d", "master") if write else ("grad2d", "out")
+        matrix, matrix_stride, matrix_bf16 = _matrix(matrix2d, names[0], None, written=bool(write))
+        rows, cols = matrix2d.shape
+        if not isinstance(selected, torch.Tensor) or not selected.is_cpu or selected.dtype is not torch.int64:
+            raise NativeArgumentError("selected must be a CPU int64 tensor of column indices for the native kernels.")
+        if selected.dim() != 1 or (selected.numel() > 1 and selected.stride(0) != 1):
+            raise NativeArgumentError(f"selected has shape {tuple(selected.shape)}; pass a contiguous 1-D tensor.")
+        k = selected.numel()
+        packed, packed_stride, packed_bf16 = _matrix(packed2d, names[1], (rows, k), written=not write)
+        if packed_bf16:
+            raise NativeArgumentError(f"{names[1]} is bfloat16: the native kernel packs the columns in fp32.")
+        if rows == 0 or k == 0:
+            return
+        self._done(
+            self._library.zf_columns(
+                self._number, _threads(threads), write, rows, cols, matrix, matrix_bf16, matrix_stride,
+                selected.data_ptr(), k, packed, packed_stride,
+            )
+        )  # fmt: skip

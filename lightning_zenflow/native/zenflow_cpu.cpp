@@ -1,7 +1,7 @@
 // lightning_zenflow's native CPU kernels: the engine's elementwise kernels, bit for bit equal to their eager torch
 // definitions (engine/host_step.py's adam_step_ and adam_master_step_; engine/kernels.py's moves_fp32_, moves_bf16_,
-// landing_add_, accumulate_bf16_; row_col_sums to float rounding), over raw pointers, loaded with ctypes
-// (lightning_zenflow/native/__init__.py has the wrappers, build.py the build).
+// landing_add_, accumulate_bf16_; row_col_sums to float rounding; engine/device.py's gather_columns and write_columns),
+// over raw pointers, loaded with ctypes (lightning_zenflow/native/__init__.py has the wrappers, build.py the build).
 //
 // How it is built. This one file is compiled once per instruction set, with -DZF_VARIANT=<n> and that set's -m flags
 // (0: portable C++, 1: AVX2, 2: AVX-512 F/BW/VL/DQ, 3: the same with AVX512-BF16), as ATen compiles its CPU kernels
@@ -41,10 +41,19 @@
 //   masked vpaddw, and every line prefetched 1 KiB ahead (6-12 %).
 // - fp32 state: 24 B, the same arithmetic without the narrowing: bound by memory (measured 1.6-1.7 G/s, 40 GB/s: about
 //   fused AdamW's parameters per second, whose 28 B it nearly moves).
-// - the moves (moves_fp32_, moves_bf16_): read g and w, write w: 12 B (fp32) or 6 B (bf16); arithmetic 8 + a division;
-//   the bf16 hash 10 integer operations (two 32-bit multiplies). landing_add_: 12 or 6 B, 2 operations (+ the hash).
+// - the moves (moves_fp32_, moves_bf16_): read g and w, write w: 12 B (fp32) or 6 B (bf16); arithmetic 8 + a division
+//   (7 without a loss scaler's keep: x * 1 is x); the bf16 hash 9 integer operations (two 32-bit multiplies; the
+//   column's term is carried from step to step by an addition). landing_add_: 12 or 6 B, 2 operations (+ the hash).
 //   accumulate_bf16_: 4 + (2 or 4) B, 1 addition + the lattice's rounding. row_col_sums: reads g once (2 or 4 B), two
 //   multiplies and two additions; its column partial sums are 4 B per column per block of at least 64 rows (< 2 %).
+//   Measured (one core, thread CPU time, the offload benchmark's 25 M fp32 elements as backward leaves them): the fp32
+//   move pass 2.4-2.7 G elements/s, within 10-25 % of a plain add_ of the same streams; the 16-lane division (about one
+//   every 10 cycles on Zen 4) fills the out-of-order window, and prefetching lines into L2 ahead, 6 KiB or more, sped
+//   up a C loop over one matrix by 25 % but slowed the pass over torch's tensors by 5-10 %: not kept. bf16 moves are
+//   bound by their arithmetic: 3.1 -> 3.7 G/s with the two changes above. The window sum runs at the memory's speed.
+// - the selected columns (gather_columns, write_columns): k of the row's columns, read (4 or 2 B) into a packed fp32
+//   row, or written back (rounded to the weight's dtype); each touches every line holding a selected column, 81 % of
+//   them at rho = 0.1: as much memory as reading the gradient (gather), and reading and writing the weights (write).
 //
 // Threads. A call is split into tiles fixed by the data (rows, or column spans of one row for a wide matrix), run by
 // the calling thread and up to threads - 1 workers of one persistent pool that take tiles from an atomic counter; an
@@ -125,10 +134,21 @@ struct SumsArgs {
     float* col_partial;   // [blocks, cols]
 };
 
+// The selected columns (engine/device.py's gather_columns, write_columns): column index[c] of the matrix is column c of
+// the packed fp32 [rows, k] buffer (the gathered gradient, or the masters written back).
+struct ColumnsArgs {
+    void* matrix;  // the gradient (read) or the weights (written), [rows, cols]
+    int64_t matrix_stride;
+    float* packed;  // fp32 [rows, k]: the gathered columns (written) or the masters (read)
+    int64_t packed_stride;
+    const int64_t* index;  // [k], each in [0, cols) (checked before any tile runs)
+};
+
 typedef void (*AdamSpan)(const AdamArgs*, int64_t, int64_t, int64_t, int64_t);
 typedef void (*MovesSpan)(const MovesArgs*, int64_t, int64_t, int64_t, int64_t);
 typedef void (*LandingSpan)(const LandingArgs*, int64_t, int64_t, int64_t, int64_t);
 typedef void (*AccumulateSpan)(const AccumulateArgs*, int64_t, int64_t, int64_t, int64_t);
+typedef void (*ColumnsSpan)(const ColumnsArgs*, int64_t, int64_t, int64_t, int64_t);
 typedef void (*SumsTile)(const SumsArgs*, int64_t block, int64_t span);
 typedef void (*SumsCombine)(const float* partial, int64_t blocks, int64_t cols, int64_t j0, int64_t j1, float* out);
 
@@ -138,6 +158,8 @@ struct KernelTable {
     MovesSpan moves[2][2][2];               // [grad bf16][weight bf16][stochastic]
     LandingSpan landing[2][2];              // [weight bf16][step bf16] (stochastic exactly when the weight is bf16)
     AccumulateSpan accumulate[2][2][2];     // [acc bf16][grad bf16][first]
+    ColumnsSpan gather[2];                  // [grad bf16]
+    ColumnsSpan write[2];                   // [weight bf16]
     SumsTile sums[2];                       // [grad bf16]
     SumsCombine combine;
 };
@@ -549,44 +571,62 @@ void adam_span(const AdamArgs* a, int64_t i0, int64_t i1, int64_t j0, int64_t j1
 template <class V>
 struct MovesConstants {
     typename V::F eps, coefficient, keep;
-    typename V::I iota;
+    typename V::I column_step;  // N columns of the hash's column term: the next step's x is this step's plus this
     explicit MovesConstants(const MovesArgs* a)
-        : eps(V::set(a->eps)), coefficient(V::set(a->coefficient)), keep(V::set(a->keep)), iota(V::iota()) {}
+        : eps(V::set(a->eps)), coefficient(V::set(a->coefficient)), keep(V::set(a->keep)),
+          column_step(V::seti(uint32_t(V::N) * ZF_COL_MULTIPLIER)) {}
 };
 
-template <class V, class G, class W, bool STOCHASTIC>
+// hash_x: row * ROW_MULTIPLIER + seed + column * COL_MULTIPLIER of each lane's column (uint32, wrapping), advanced by
+// the caller one step at a time (an addition instead of a multiplication per step). KEEP: multiply by keep (without
+// it keep is 1, and x * 1 is x bit for bit).
+template <class V, class G, class W, bool STOCHASTIC, bool KEEP>
 inline void moves_at(const G* g, W* w, const MovesArgs* a, int64_t j, typename V::F row_scale,
-                     typename V::I hash_row, const MovesConstants<V>& c) {
+                     typename V::I hash_x, const MovesConstants<V>& c) {
     typedef typename V::F F;
     F ratio = V::div(V::load(g + j), V::add(V::mul(row_scale, V::load(a->col_scale + j)), c.eps));
     F factor = V::neg(V::mul(V::load(a->mask + j), c.coefficient));
-    F move = V::mul(V::mul(V::clamp_unit(ratio), factor), c.keep);  // keep is 1 without one: x * 1 is x
+    F move = V::mul(V::clamp_unit(ratio), factor);
+    if (KEEP) move = V::mul(move, c.keep);
     F moved = V::add(V::load(w + j), move);
     if (STOCHASTIC) {
-        typename V::I column = V::iadd(V::seti(uint32_t(j)), c.iota);
-        typename V::I x = V::iadd(hash_row, V::imul(column, V::seti(ZF_COL_MULTIPLIER)));
-        put_stochastic<V>(w + j, moved, hash_bits<V>(x));
+        put_stochastic<V>(w + j, moved, hash_bits<V>(hash_x));
     } else {
         put_nearest<V>(w + j, moved);
     }
 }
 
-template <class G, class W, bool STOCHASTIC>
-void moves_span(const MovesArgs* a, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+template <class G, class W, bool STOCHASTIC, bool KEEP>
+void moves_rows(const MovesArgs* a, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
     const MovesConstants<Wide> wide(a);
     const MovesConstants<One> one(a);
+    const typename Wide::I first_columns =
+        Wide::imul(Wide::iadd(Wide::seti(uint32_t(j0)), Wide::iota()), Wide::seti(ZF_COL_MULTIPLIER));
     for (int64_t i = i0; i < i1; ++i) {
         const G* g = row_of<G>(a->grad, a->grad_stride, i);
         W* w = row_of<W>(a->weight, a->weight_stride, i);
         uint32_t hash_row = (a->row_offset + uint32_t(i)) * ZF_ROW_MULTIPLIER + a->seed;
         float row_scale = a->row_scale[i];
         typename Wide::F wide_scale = Wide::set(row_scale);
-        typename Wide::I wide_hash = Wide::seti(hash_row);
+        typename Wide::I hash_x = Wide::iadd(Wide::seti(hash_row), first_columns);
         int64_t j = j0;
         for (; j + Wide::N <= j1; j += Wide::N) {
-            moves_at<Wide, G, W, STOCHASTIC>(g, w, a, j, wide_scale, wide_hash, wide);
+            moves_at<Wide, G, W, STOCHASTIC, KEEP>(g, w, a, j, wide_scale, hash_x, wide);
+            if (STOCHASTIC) hash_x = Wide::iadd(hash_x, wide.column_step);
         }
-        for (; j < j1; ++j) moves_at<One, G, W, STOCHASTIC>(g, w, a, j, row_scale, hash_row, one);
+        for (; j < j1; ++j) {
+            uint32_t x = hash_row + uint32_t(j) * ZF_COL_MULTIPLIER;
+            moves_at<One, G, W, STOCHASTIC, KEEP>(g, w, a, j, row_scale, x, one);
+        }
+    }
+}
+
+template <class G, class W, bool STOCHASTIC>
+void moves_span(const MovesArgs* a, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    if (a->keep == 1.0f) {
+        moves_rows<G, W, STOCHASTIC, false>(a, i0, i1, j0, j1);  // no loss scaler, or a step that kept its gradients
+    } else {
+        moves_rows<G, W, STOCHASTIC, true>(a, i0, i1, j0, j1);
     }
 }
 
@@ -636,6 +676,33 @@ void accumulate_span(const AccumulateArgs* a, int64_t i0, int64_t i1, int64_t j0
         int64_t j = j0;
         for (; j + Wide::N <= j1; j += Wide::N) accumulate_at<Wide, A, G, FIRST>(acc, g, a->col_r, j, wide_base);
         for (; j < j1; ++j) accumulate_at<One, A, G, FIRST>(acc, g, a->col_r, j, base);
+    }
+}
+
+// ------------------------------------------------------------------------------------------ the selected columns
+// A span runs packed columns [j0, j1) of rows [i0, i1). Bits: a gathered bf16 widens exactly, an fp32 is copied; a
+// master written into bf16 weights is rounded to nearest even in integers (as .to(torch.bfloat16): subnormals kept, a
+// NaN stays a NaN). Both are bound by the matrix's memory: every line that holds a selected column is read (and for the
+// write, written back), at rho = 0.1 spread over the row 1 - 0.9**16 = 81 % of them, so one element at a time does as
+// well as vectors (measured: as fast as ATen's index_select and index_copy_ in fp32, about 2x and 1.3x faster in bf16;
+// software prefetches a few rows ahead did not help).
+template <class G>
+void gather_span(const ColumnsArgs* a, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    const int64_t* index = a->index;
+    for (int64_t i = i0; i < i1; ++i) {
+        const G* g = row_of<G>(a->matrix, a->matrix_stride, i);
+        float* out = a->packed + i * a->packed_stride;
+        for (int64_t j = j0; j < j1; ++j) out[j] = One::load(g + index[j]);
+    }
+}
+
+template <class W>
+void write_span(const ColumnsArgs* a, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    const int64_t* index = a->index;
+    for (int64_t i = i0; i < i1; ++i) {
+        W* w = row_of<W>(a->matrix, a->matrix_stride, i);
+        const float* master = a->packed + i * a->packed_stride;
+        for (int64_t j = j0; j < j1; ++j) put_nearest<One>(w + index[j], master[j]);
     }
 }
 
@@ -723,6 +790,10 @@ KernelTable make_table() {
     fill_moves<float, bf16>(t);
     fill_moves<bf16, float>(t);
     fill_moves<bf16, bf16>(t);
+    t.gather[0] = gather_span<float>;
+    t.gather[1] = gather_span<bf16>;
+    t.write[0] = write_span<float>;
+    t.write[1] = write_span<bf16>;
     t.sums[0] = sums_tile<float>;
     t.sums[1] = sums_tile<bf16>;
     t.combine = sums_combine;
@@ -995,7 +1066,8 @@ struct Sums {
 
 extern "C" {
 
-// Error codes of every call: 0 done, -1 the variant does not run on this machine, -2 out of memory.
+// Error codes of every call: 0 done, -1 the variant does not run on this machine, -2 out of memory, -3 a column
+// index out of range (nothing written).
 ZF_EXPORT int zf_variant_supported(int variant) { return variant_supported(variant) ? 1 : 0; }
 
 // Tests: the tiling and the threshold of a parallel call, and row_col_sums' blocks and spans.
@@ -1084,6 +1156,25 @@ ZF_EXPORT int zf_accumulate(int variant, int threads, int64_t rows, int64_t cols
     a.col_r = col_r;
     a.offset = uint32_t(offset);
     run_elementwise(&a, t->accumulate[acc_bf16 != 0][grad_bf16 != 0][first != 0], rows, cols, threads);
+    return 0;
+}
+
+// The selected columns: gather (the gradient's columns index[c] into fp32 packed[:, c]) or write (packed[:, c] into the
+// weights' columns index[c], rounded to their dtype).
+ZF_EXPORT int zf_columns(int variant, int threads, int write, int64_t rows, int64_t cols, void* matrix, int matrix_bf16,
+                         int64_t matrix_stride, const int64_t* index, int64_t k, float* packed, int64_t packed_stride) {
+    const KernelTable* t = table_of(variant);
+    if (t == nullptr) return -1;
+    for (int64_t c = 0; c < k; ++c) {
+        if (index[c] < 0 || index[c] >= cols) return -3;
+    }
+    ColumnsArgs a;
+    a.matrix = matrix;
+    a.matrix_stride = matrix_stride;
+    a.packed = packed;
+    a.packed_stride = packed_stride;
+    a.index = index;
+    run_elementwise(&a, write ? t->write[matrix_bf16 != 0] : t->gather[matrix_bf16 != 0], rows, k, threads);
     return 0;
 }
 
