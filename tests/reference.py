@@ -474,9 +474,9 @@ class ReferenceZenFlow:
         self.selection_changes = 0
 
     def _interim_step(self, param_groups: Sequence[Mapping], config: ZenFlowConfig, dtypes: list) -> float:
-        """``"auto"``: with windows longer than one step, host columns, fp32 or bf16 matrices, no Adam L2 term and eps > 0, 1.5
-        at windows of up to 4 steps and 1.5 * 4 / S at longer ones (written here as numbers, not read from the
-        package: docs/update_rule.md states them)."""
+        """``"auto"``: with windows longer than one step, host columns, fp32 or bf16 matrices, no Adam L2 term and
+        eps > 0, 1.5 at windows of up to 4 steps and 1.5 * 4 / S at longer ones (written here as numbers, not read
+        from the package: docs/update_rule.md states them)."""
         if config.interim_step != "auto":
             return float(config.interim_step)
         groups = [RefHyperParams.read(group) for group in param_groups]

@@ -420,8 +420,8 @@ def resolve_interim_scale(
     config: ZenFlowConfig, layout: Sequence[GroupLayout], hparams: Sequence[HyperParams]
 ) -> float | Literal["auto"]:
     """``interim_step`` for this model: 0 for no moves (the paper's rule); an explicit number, checked against the
-    model (fp32 or bf16 weights, AdamW-style decay, eps > 0); ``"auto"`` where those hold and windows are longer than one step
-    (the size then follows each step's window, ``auto_interim_step``), else 0."""
+    model (fp32 or bf16 weights, AdamW-style decay, eps > 0); ``"auto"`` where those hold and windows are longer than
+    one step (the size then follows each step's window, ``auto_interim_step``), else 0."""
     value = config.interim_step
     odd = sorted({str(s.param.dtype) for g in layout for s in g.matrices if s.param.dtype not in MOVED_DTYPES})
     if value == "auto":
