@@ -40,6 +40,21 @@ backward in every row. De-quantization and tokenization use every core.
     python benchmarks/real_lm.py --row s1='{"update_interval": 1}' --rows adamw zenflow s1
     python benchmarks/real_lm.py --domain man --steps 150 --seed 1   # a text the model rarely saw
     python benchmarks/real_lm.py --quick      # tiny random Llama on byte tokens: < 60 s, no download
+
+Mixture of experts (``--model moe``). A small Qwen3-MoE built from a config in code (2 layers, width 128, 8 experts of
+width 192, 2 a token, no load-balancing loss, tied embeddings; 1.3 M parameters, 1.2 M of them experts) on byte tokens
+(EOS 256): no download. ``--pretrain-steps 0`` trains it from its initialisation (seed 0); ``--pretrain-steps N``
+first pre-trains it with AdamW (the ``adamw`` row's harness, ``--batch`` x ``--block``, peak rate 2e-3, cosine) for N
+steps on the standard library's Python code (docstrings removed: ``stdlib_documents(..., "code")``, every 10th file
+held out), cached under ``--cache`` keyed by its settings and the code's bytes, then fine-tunes that base on
+``--domain``. The engine views each fused expert parameter ``[experts, out, in]`` as the matrix ``[experts x out,
+in]`` (``lightning_zenflow/matrices.py``), printed once; every run counts the experts no token reached at each step
+(a zero gradient slice of ``gate_up_proj``), and the premise's table has rows for the experts and the router.
+
+    python benchmarks/real_lm.py --model moe --lrs 5e-4 1e-3 2e-3 4e-3 --seeds 2 --row no-moves='{"interim_step": 0}' \
+        --rows adamw zenflow no-moves                       # from its initialisation: about 17 minutes on 2 cores
+    python benchmarks/real_lm.py --model moe --pretrain-steps 1000 --steps 200 --lrs 5e-4 1e-3 2e-3 4e-3 --seeds 2 \
+        --row no-moves='{"interim_step": 0}' --rows adamw zenflow no-moves  # fine-tuned: 12 minutes, 2 the base's
 """
 
 from __future__ import annotations
@@ -74,6 +89,10 @@ DEFAULT_CACHE = "~/.cache/lightning_zenflow/real_lm"
 HOLD_OUT_EVERY = 10
 RHO = 0.1
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens")
+MOE_KINDS = ("experts.gate_up_proj", "experts.down_proj", "mlp.gate")
+"""A mixture of experts' kinds: the fused experts (matched before the dense ``down_proj``) and the router."""
+MOE_EOS = 256
+PRETRAIN_LR = 2e-3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,9 +119,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0).")
     add("--row", action="append", default=[], metavar="NAME=JSON", help="an extra row: ZenFlowStrategy knobs.")
     add("--rows", nargs="+", default=["adamw", "zenflow"], help="rows to run, in order (default adamw zenflow).")
+    add("--model", choices=("smollm2", "moe"), default="smollm2", help="smollm2, or moe: a small Qwen3-MoE on bytes.")
+    add("--pretrain-steps", type=int, default=0, help="moe: pre-train on stdlib code first, cached (default 0).")
     defaults = {"steps": (60, 16), "batch": (4, 2), "block": (64, 32), "eval_blocks": (64, 8), "eval_every": (20, 8),
                 "warmup": (6, 2), "lr": (5e-5, 2e-3)}  # fmt: skip
-    args = bench_utils.apply_quick_defaults(parser.parse_args(argv), defaults)
+    moe = {"steps": (300, 16), "batch": (8, 2), "block": (128, 32), "eval_blocks": (128, 8), "eval_every": (25, 8),
+           "warmup": (10, 2), "lr": (2e-3, 2e-3)}  # fmt: skip
+    args = parser.parse_args(argv)
+    args = bench_utils.apply_quick_defaults(args, moe if args.model == "moe" else defaults)
+    if args.pretrain_steps and args.model != "moe":
+        parser.error("--pretrain-steps pre-trains --model moe (SmolLM2 comes pre-trained).")
     args.knobs = {"adamw": None, "zenflow": {}}
     for spec in args.row:
         try:
@@ -219,6 +245,98 @@ def load_quick(domain: str) -> tuple[Any, dict[str, torch.Tensor], list[torch.Te
     return config, state, docs, 256
 
 
+def moe_config(quick: bool) -> Any:
+    """``--model moe``: a small Qwen3-MoE on byte tokens (``--quick``: a tiny one), 8 experts, 2 a token."""
+    import transformers
+
+    sizes = {"hidden_size": 128, "num_hidden_layers": 2, "head_dim": 32, "moe_intermediate_size": 192}
+    if quick:
+        sizes = {"hidden_size": 32, "num_hidden_layers": 2, "head_dim": 8, "moe_intermediate_size": 16}
+    return transformers.Qwen3MoeConfig(
+        vocab_size=257, num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=MOE_EOS,
+        bos_token_id=None, pad_token_id=None, **sizes,
+    )  # fmt: skip
+
+
+def byte_tokens(texts: list[bytes], cut: int | None = None) -> list[torch.Tensor]:
+    """Each non-empty text's UTF-8 bytes (its first ``cut``) as token ids."""
+    return [torch.frombuffer(bytearray(text[:cut]), dtype=torch.uint8).int() for text in texts if text]
+
+
+def split_documents(docs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(training documents, held-out documents): every ``HOLD_OUT_EVERY``-th one held out."""
+    held = [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+    return [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1], held
+
+
+def load_moe(args: argparse.Namespace, cache: pathlib.Path) -> tuple[Any, dict, list[torch.Tensor], int, dict | None]:
+    """``--model moe``: (config, its initialisation (seed 0) or the cached base, byte tokens per document of
+    ``--domain`` (``--quick``: the first 30, 4 KiB each), EOS, how the base was made or None)."""
+    import transformers
+
+    config = moe_config(args.quick)
+    torch.manual_seed(0)
+    state = transformers.Qwen3MoeForCausalLM(config).state_dict()
+    quick = (30, 4096) if args.quick else (None, None)
+    docs = byte_tokens([text.encode() for text in domain_documents(args.domain, quick[0])], quick[1])
+    record = None
+    if args.pretrain_steps:
+        state, record = pretrained_moe(config, state, args, cache, quick)
+    return config, state, docs, MOE_EOS, record
+
+
+def pretrained_moe(
+    config: Any, state: dict, args: argparse.Namespace, cache: pathlib.Path, quick: tuple
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The MoE pre-trained with the ``adamw`` row's harness for ``--pretrain-steps`` on the standard library's code
+    (docstrings removed), at ``PRETRAIN_LR`` with cosine to 10 %: (its state dict, how it was made). Cached under
+    ``cache``, keyed by the settings and the code's bytes."""
+    import hashlib
+
+    import transformers
+
+    from lightning_zenflow import ZenFlowConfig
+    from lightning_zenflow.demo.data import default_corpus_files
+    from lightning_zenflow.demo.stdlib import stdlib_documents
+
+    code = byte_tokens(list(stdlib_documents(default_corpus_files()[: quick[0]], "code")), quick[1])
+    steps = args.pretrain_steps
+    settings = {"config": config.to_dict(), "steps": steps, "batch": args.batch, "block": args.block,
+                "lr": PRETRAIN_LR, "warmup": min(50, steps // 10), "weight_decay": args.weight_decay,
+                "code_sha256": hashlib.sha256(b"".join(doc.numpy().tobytes() for doc in code)).hexdigest(),
+                "torch": torch.__version__.split("+")[0]}  # fmt: skip
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache / f"moe_base_{key}.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        record = {**json.loads(saved["record"]), "cached": True, "path": str(path)}
+        print(f"base: cached {path.name} (pre-trained in {record['seconds']:.0f} s)")
+        return saved["model"], record
+    train, held = split_documents(code)
+    train_blocks, held_blocks = cut_blocks(train, MOE_EOS, args.block), cut_blocks(held, MOE_EOS, args.block)
+    generator = torch.Generator().manual_seed(0)
+    rounds = -(-steps * args.batch // len(train_blocks))
+    order = torch.cat([torch.randperm(len(train_blocks), generator=generator) for _ in range(rounds)])
+    spread = torch.linspace(0, len(held_blocks) - 1, min(args.eval_blocks, len(held_blocks))).round().long()
+    base = transformers.Qwen3MoeForCausalLM(config).float().train()
+    base.load_state_dict(state)
+    data = {"eval": held_blocks[spread], "seed": 0, "train": train_blocks[order[: steps * args.batch]]}
+    data["train_cores"] = ZenFlowConfig().core_split()[0]
+    data["base_loss"] = heldout_loss(base, data["eval"])
+    changed = {"steps": steps, "lr": PRETRAIN_LR, "warmup": settings["warmup"], "schedule": "cosine"}
+    pre_args = argparse.Namespace(**{**vars(args), **changed, "eval_every": max(1, steps // 4)})
+    print(f"base: pre-training {steps} steps with AdamW on stdlib code (cached afterwards) ...", flush=True)
+    run, model = run_row("pretrain", None, base, data, PRETRAIN_LR, pre_args)
+    record = {"settings": settings, "key": key, "seconds": run["wall_s"], "curve": run["curve"]}
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "record": json.dumps(record)}, path.with_suffix(".part"))
+    path.with_suffix(".part").rename(path)
+    print(f"base: pre-trained in {run['wall_s']:.0f} s, held-out code loss {data['base_loss']:.3f} -> "
+          f"{run['final_heldout_loss']:.3f}")  # fmt: skip
+    return model.state_dict(), {**record, "cached": False, "path": str(path)}
+
+
 def cut_blocks(docs: list[torch.Tensor], eos: int, block: int) -> torch.Tensor:
     stream = torch.cat([piece for doc in docs for piece in (doc, torch.tensor([eos], dtype=torch.int32))])
     return stream[: stream.numel() // block * block].view(-1, block).long()
@@ -240,15 +358,17 @@ def premise(model: torch.nn.Module, batch: torch.Tensor) -> dict[str, dict[str, 
     gradient over the factored RMS estimate taken from this same gradient, clipped to [-1, 1]; AdamW's first step
     moves every element by exactly 1 unit)."""
     from lightning_zenflow.config import num_selected_columns
+    from lightning_zenflow.matrices import matrix_columns
 
     model.zero_grad(set_to_none=True)
     model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
     found: dict[str, list[tuple[float, float]]] = {}
+    columns = matrix_columns(model)  # experts [E, out, in] as the matrix [E x out, in]: the engine's view
     for name, param in model.named_parameters():
-        kind = next((k for k in KINDS if f"{k}." in name), None)
-        if kind is None or param.grad is None or param.ndim != 2:
+        kind = next((k for k in MOE_KINDS + KINDS if f".{k}." in f".{name}."), None)
+        if kind is None or param.grad is None or param.ndim < 2:
             continue
-        grad = param.grad.double()
+        grad = param.grad.double().reshape(-1, columns.get(name, param.numel() // param.shape[0]))
         scores = grad.square().sum(0)
         top = scores.topk(num_selected_columns(scores.numel(), RHO))
         host = torch.ones_like(scores, dtype=torch.bool)
@@ -267,9 +387,10 @@ def premise(model: torch.nn.Module, batch: torch.Tensor) -> dict[str, dict[str, 
 
 @torch.no_grad()
 def travel(model: torch.nn.Module, base: torch.nn.Module) -> float:
-    """How far the weight matrices moved from the base: the Frobenius norm of the change over every 2-D parameter."""
+    """How far the weight matrices moved from the base: the Frobenius norm of the change over every parameter of two
+    or more dimensions (the fused experts included)."""
     moved = [
-        (p.float() - q.float()).square().sum() for p, q in zip(model.parameters(), base.parameters()) if p.ndim == 2
+        (p.float() - q.float()).square().sum() for p, q in zip(model.parameters(), base.parameters()) if p.ndim >= 2
     ]
     return math.sqrt(sum(moved).item())
 
@@ -277,8 +398,9 @@ def travel(model: torch.nn.Module, base: torch.nn.Module) -> float:
 # ----------------------------------------------------------------------------------------------------- rows
 def run_row(
     name: str, knobs: dict[str, Any] | None, base: torch.nn.Module, data: dict[str, Any], lr: float, args
-) -> dict:
-    """One fine-tune of a copy of the base; the held-out curve, the training loss and the step times."""
+) -> tuple[dict, torch.nn.Module]:
+    """One fine-tune of a copy of the base: its record (the held-out curve, the training loss, the step times, the
+    engine's matrix view of each expert parameter, the experts no token reached at each step) and the model."""
     import lightning as pl
 
     from lightning_zenflow import ZenFlowStrategy
@@ -301,6 +423,21 @@ def run_row(
     class Record(pl.Callback):
         def __init__(self) -> None:
             self.curve, self.step_s, self.train_loss = [(0, data["base_loss"])], [], []
+            self.matrices: dict[str, dict[str, list[int]]] = {}
+            self.unreached: list[int] = []
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.experts = [p for n, p in pl_module.named_parameters() if n.endswith("experts.gate_up_proj")]
+            engine = getattr(trainer.strategy, "engine", None)
+            for slot in [slot for group in engine.layout for slot in group.matrices] if engine is not None else []:
+                if slot.param.ndim > 2:  # a stack of experts: the engine's [rows, columns] view of it
+                    self.matrices[slot.name] = {"shape": list(slot.param.shape), "matrix": [slot.rows, slot.cols]}
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            # experts no token reached at this step: an all-zero gradient slice [out, in] of the fused parameter
+            grads = [p.grad.flatten(1) for p in self.experts if p.grad is not None]
+            if grads:
+                self.unreached.append(sum(int((grad.abs().amax(1) == 0).sum()) for grad in grads))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.started = time.perf_counter()
@@ -346,7 +483,9 @@ def run_row(
         "median_step_s": bench_utils.median(record.step_s),
         "mean_step_s": statistics.fmean(record.step_s),
         "wall_s": time.perf_counter() - started,
-    }
+        "expert_matrices": record.matrices,
+        "unreached_experts": record.unreached,
+    }, module.model
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -358,22 +497,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from lightning_zenflow import ZenFlowConfig
 
+    model_text = {"smollm2": "SmolLM2-135M-Instruct (fp32 from Q4_1 GGUF)", "moe": "a small Qwen3-MoE on bytes"}
+    if args.model == "moe":
+        model_text["moe"] += f" pre-trained {args.pretrain_steps} steps on stdlib code" if args.pretrain_steps else ""
     info = bench_utils.announce(
-        f"real_lm: SmolLM2-135M-Instruct (fp32 from Q4_1 GGUF), fine-tuned on {DOMAIN_TEXT[args.domain]}; AdamW vs "
-        "ZenFlow",
+        f"real_lm: {model_text[args.model]}, trained on {DOMAIN_TEXT[args.domain]}; AdamW vs ZenFlow",
         torch.device("cpu"),
     )
     started = time.perf_counter()
+    base_record = None
     try:
         cache = pathlib.Path(args.cache).expanduser()
-        loaded = load_quick(args.domain) if args.quick else load_real(cache, args.domain)
+        if args.model == "moe":
+            config, state, docs, eos, base_record = load_moe(args, cache)
+        else:
+            config, state, docs, eos = load_quick(args.domain) if args.quick else load_real(cache, args.domain)
     except domains.DomainMissing as missing:
         raise SystemExit(f"real_lm: {missing}") from None
-    config, state, docs, eos = loaded
     base = transformers.AutoModelForCausalLM.from_config(config).float().train()  # fp32 before the weights load
     base.load_state_dict(state)
-    train_docs = [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY != HOLD_OUT_EVERY - 1]
-    held_docs = [doc for i, doc in enumerate(docs) if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1]
+    train_docs, held_docs = split_documents(docs)
     train_blocks, held_blocks = cut_blocks(train_docs, eos, args.block), cut_blocks(held_docs, eos, args.block)
     spread = torch.linspace(0, len(held_blocks) - 1, min(args.eval_blocks, len(held_blocks))).round().long()
     needed = args.steps * args.batch
@@ -405,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         f"premise (first batch, base): share of the squared gradient norm in the top {RHO:.0%} of columns; mean size "
         "of an interim move of the others per unit step (AdamW's first step: 1)"
     )
-    table = [[k, kinds[k]["matrices"], kinds[k]["share"], kinds[k]["move"]] for k in KINDS if k in kinds]
+    table = [[k, kinds[k]["matrices"], kinds[k]["share"], kinds[k]["move"]] for k in KINDS + MOE_KINDS if k in kinds]
     bench_utils.print_table(None, ["matrix kind", "matrices", f"top {RHO:.0%} share", "move"], table)
 
     runs = []
@@ -414,8 +557,12 @@ def main(argv: list[str] | None = None) -> int:
         for lr in rates:
             for name in args.rows:
                 print(f"row {name} lr {lr:g} seed {seed}: {json.dumps(args.knobs[name])}", flush=True)
-                runs.append(run_row(name, args.knobs[name], base, data, lr, args))
+                runs.append(run_row(name, args.knobs[name], base, data, lr, args)[0])
                 print(f"row {name}: held-out {runs[-1]['final_heldout_loss']:.4f} ({runs[-1]['wall_s']:.0f} s)")
+                if runs[-1]["expert_matrices"] and not any(run["expert_matrices"] for run in runs[:-1]):
+                    print("the engine's matrix view of each fused expert parameter [experts, out, in]:")
+                    for param, view in runs[-1]["expert_matrices"].items():
+                        print(f"  {param} {tuple(view['shape'])} -> [{view['matrix'][0]}, {view['matrix'][1]}]")
     reference = {(run["lr"], run["seed"]): run["final_heldout_loss"] for run in runs if run["row"] == "adamw"}
     for run in runs:
         paired = reference.get((run["lr"], run["seed"]))
@@ -429,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("row", "lr", "seed", "final_heldout_loss", "gap_to_adamw_pct", "travel", "median_step_s", "mean_step_s")
     rows = [[run[key] for key in keys] for run in runs]
     header = ["row", "lr", "seed", "final held-out", "gap to adamw %", "travel", "s/step", "mean s/step"]
+    if args.model == "moe":  # experts no token reached: the steps that had one, and (step, layer, expert) in all
+        rows = [[*row, sum(map(bool, run["unreached_experts"])), sum(run["unreached_experts"])] for row, run in
+                zip(rows, runs)]  # fmt: skip
+        header += ["steps unreached", "unreached"]
     bench_utils.print_table(None, header, rows, 4)
     steps = [point["step"] for point in runs[0]["curve"]]
     labels = [
@@ -441,12 +592,15 @@ def main(argv: list[str] | None = None) -> int:
         best = rate_sweep.best_of_rates(runs)
         rate_sweep.print_best_of_rates(best)
 
+    model_name = "synthetic tiny Llama (quick)" if args.quick else f"SmolLM2-135M-Instruct Q4_1 GGUF from {PACKAGE}"
     payload = bench_utils.payload(
         "real_lm",
         info,
         revision=True,
         settings=bench_utils.settings_of(args, skip=("out", "row", "knobs")),
-        model="synthetic tiny Llama (quick)" if args.quick else f"SmolLM2-135M-Instruct Q4_1 GGUF from {PACKAGE}",
+        model=model_text[args.model] + (" (quick: tiny)" if args.quick else "") if args.model == "moe" else model_name,
+        model_config=config.to_dict() if args.model == "moe" else None,
+        pretrained_base=base_record,
         n_params=n_params,
         cores={"training_process": train_cores, "host_worker": host_cores},
         data={"documents": len(docs), "train_blocks": len(train_blocks), "heldout_blocks": len(held_blocks)},

@@ -358,3 +358,30 @@ def test_real_lm_quick(tmp_path: pathlib.Path) -> None:
     for kind in result["premise"]["kinds"].values():
         assert 0.0 < kind["share"] <= 1.0
         assert 0.0 < kind["move"] <= 1.0
+
+
+def test_real_lm_moe_quick(tmp_path: pathlib.Path) -> None:
+    """``real_lm.py --quick --model moe --pretrain-steps``: a tiny Qwen3-MoE on byte tokens pre-trained on the standard
+    library's code (cached: the second run reads it back) and fine-tuned with AdamW and ZenFlow. The engine views each
+    fused expert parameter ``[E, out, in]`` as the matrix ``[E x out, in]``, and experts no token reached at a step
+    (zero gradient slices) are counted, and occur."""
+    pytest.importorskip("transformers")
+    extra = ("--model", "moe", "--pretrain-steps", "8", "--cache", str(tmp_path / "cache"))
+    stdout, result, _ = run_quick("real_lm", tmp_path, *extra)
+    assert result["pretrained_base"]["cached"] is False
+    assert "the engine's matrix view of each fused expert parameter" in stdout
+    rows = {run["row"]: run for run in result["runs"]}
+    assert set(rows) == {"adamw", "zenflow"}
+    views = rows["zenflow"]["expert_matrices"]
+    assert len(views) == 2 * result["model_config"]["num_hidden_layers"]  # gate_up_proj and down_proj per layer
+    for name, view in views.items():
+        experts, out, columns = view["shape"]
+        assert view["matrix"] == [experts * out, columns], name
+    for run in rows.values():
+        assert len(run["unreached_experts"]) == result["settings"]["steps"]
+        assert any(run["unreached_experts"]), f"{run['row']}: every expert was reached at every step"
+        assert run["final_heldout_loss"] < result["base_heldout_loss"], f"{run['row']} did not learn"
+    assert {"experts.gate_up_proj", "experts.down_proj", "mlp.gate"} <= set(result["premise"]["kinds"])
+    _, again, _ = run_quick("real_lm", tmp_path, *extra, "--rows", "adamw")
+    assert again["pretrained_base"]["cached"] is True
+    assert again["base_heldout_loss"] == result["base_heldout_loss"]
