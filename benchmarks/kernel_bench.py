@@ -280,6 +280,7 @@ def native_step_kernels() -> StepKernels | None:
         return None
     kernels = StepKernels("eager")
     kernels.step_, kernels.master_step_ = native.adam_step_, native.adam_master_step_
+    kernels.chunk_elements = 1 << 62  # as the engine calls it: a region at once (the library tiles it over threads)
     return kernels
 
 
