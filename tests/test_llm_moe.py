@@ -491,6 +491,25 @@ def test_two_ranks_fit_an_moe_folder_as_one_process_and_export_it(fits: dict, na
 
 
 @pytest.mark.slow
+def test_four_ranks_fsdp_fit_an_moe_folder_as_one_process(tmp_path: pathlib.Path) -> None:
+    """``zenflow_fsdp`` on 4 ranks, each reading and training its block of 2 of the 8 experts, ends as one process
+    trained on the same global batches (to AdamW's rounding: the sums over ranks are grouped otherwise)."""
+    common = common_options(tmp_path)
+    four = {**common, "strategy": "zenflow_fsdp", "devices": 4, "batch_size": 1}
+    ranks = launch_fits(tmp_path, {"fsdp4": four}, world=4)["fsdp4"]
+    replay = [sum((rank["batches"][step] for rank in ranks), []) for step in range(STEPS)]
+    one = {**common, "strategy": "zenflow", "devices": 1, "batch_size": 4, "replay": replay}
+    (tmp_path / "zenflow").mkdir()
+    alone = fit(tmp_path / "zenflow", one)
+    for rank in ranks:
+        assert (rank["world_size"], rank["global_step"], rank["sharded"]) == (4, STEPS, True)
+        assert_weights_equal(rank["weights"], ranks[0]["weights"])
+    assert alone["batches"] == replay
+    assert_close_up_to_adam_rounding(ranks[0]["weights"], alone["weights"])
+    assert ranks[0]["validations"][-1][1] == pytest.approx(alone["validations"][-1][1], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_two_ranks_fsdp_reading_their_experts_train_as_reading_the_whole_model(tmp_path: pathlib.Path) -> None:
     common = common_options(tmp_path)
     fsdp = {**common, "strategy": "zenflow_fsdp", "devices": 2, "batch_size": PER_RANK_BATCH}
